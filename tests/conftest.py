@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random-weight models for fast tests, real bundled models for slow ones."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from verispec.models.hf import HFCausalLM
+
+TINY_VOCAB = 96
+
+
+def tiny_llama(seed: int, vocab: int = TINY_VOCAB) -> LlamaForCausalLM:
+    """A 2-layer Llama with random weights: milliseconds per forward, real attention and KV cache."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper distributions than the default init, so greedy paths are stable
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A copy of ``model`` with noise on every weight: a draft that agrees often but not always."""
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return other
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> HFCausalLM:
+    return HFCausalLM(tiny_llama(0), name="tiny-target")
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target: HFCausalLM) -> HFCausalLM:
+    return HFCausalLM(perturbed(tiny_target.model, 0.3, seed=1), name="tiny-draft")
+
+
+def bundled_installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None

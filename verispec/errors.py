@@ -1,0 +1,18 @@
+"""User-facing errors.
+
+A :class:`VerispecError` is a mistake the user can fix (a bad flag, a missing package, a corrupt
+file). The CLI prints its message on one line and exits non-zero, without a traceback; the server
+turns it into an OpenAI-style 400 error. Anything else is a bug and keeps its traceback.
+"""
+
+
+class VerispecError(Exception):
+    """An error caused by the user's input or environment, with a message that says what to do."""
+
+
+class ModelNotInstalledError(VerispecError):
+    """A bundled model's weight packages are not installed."""
+
+
+class ChecksumError(VerispecError):
+    """A model file does not have the expected sha256 (truncated or corrupt download)."""

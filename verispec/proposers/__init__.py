@@ -1,0 +1,3 @@
+"""Proposers, registered by name in :mod:`verispec.proposers.base`; importing this package registers them."""
+
+from verispec.proposers import draft_model, ngram  # noqa: F401

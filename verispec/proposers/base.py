@@ -1,0 +1,90 @@
+"""The one proposer protocol and the registry of proposers by name.
+
+A proposer suggests draft tokens; it never decides how many (that is the depth policy's job) and
+never looks at the target's verdict beyond being told what was committed. Shared resources (a draft
+model's weights) live on the proposer; everything that belongs to one sequence (a KV cache, an
+n-gram index) lives in an opaque per-sequence state object that the engine keeps beside the
+sequence. That split lets a batch of sequences share one proposer and lets a later batched
+``propose_batch`` draft for many sequences in one forward pass.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from verispec.errors import VerispecError
+from verispec.types import Draft
+
+if TYPE_CHECKING:
+    from verispec.config import SamplingConfig, SpecConfig
+    from verispec.models.base import CausalLM
+
+
+class Proposer(ABC):
+    """Suggests draft tokens for sequences; per-sequence state is returned by :meth:`new_state`."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> Any:
+        """Start a sequence with this prompt; the returned object is passed back on every call."""
+
+    @abstractmethod
+    def propose(self, state: Any, token_ids: Sequence[int], k: int) -> Draft:
+        """Draft up to ``k`` tokens to follow ``token_ids`` (every committed token, prompt included).
+
+        May return fewer than k tokens (even none) when it has nothing good to offer.
+        """
+
+    @abstractmethod
+    def update(self, state: Any, token_ids: Sequence[int], num_accepted: int) -> None:
+        """Tell the proposer what was committed after verification.
+
+        ``token_ids`` is the whole committed sequence after this step; ``num_accepted`` is how many of
+        the last draft's tokens the verifier kept (the token after them is the target's own).
+        """
+
+    def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default
+        """Free per-sequence resources (a KV cache) when the sequence finishes."""
+
+
+ProposerFactory = Callable[["SpecConfig", "CausalLM", "CausalLM | None"], Proposer]
+"""Builds a proposer from the speculation config, the target model and an optional draft model."""
+
+_REGISTRY: dict[str, ProposerFactory] = {}
+
+
+def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    """Class or function decorator: make a proposer available under ``name``."""
+
+    def wrap(factory: ProposerFactory) -> ProposerFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"proposer {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def build_proposer(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer | None:
+    """The proposer named by ``spec.method``, or None for plain decoding."""
+    if spec.method is None:
+        return None
+    # Importing the package registers the built-in proposers.
+    import verispec.proposers  # noqa: F401
+
+    try:
+        factory = _REGISTRY[spec.method]
+    except KeyError:
+        raise VerispecError(
+            f"unknown speculation method {spec.method!r}; available: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+    return factory(spec, target, draft)
+
+
+def registered_methods() -> list[str]:
+    import verispec.proposers  # noqa: F401
+
+    return sorted(_REGISTRY)

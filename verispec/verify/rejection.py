@@ -1,0 +1,124 @@
+"""Verification: which draft tokens to keep, and the one token the target adds.
+
+Vocabulary, used with these meanings throughout verispec:
+
+- **draft tokens**: the k tokens a proposer suggests for one sequence in one step, with the
+  proposer's distribution at each position (``draft_probs``), or ``None`` for a deterministic
+  proposal, which is treated as one-hot on the proposed token.
+- **accepted**: draft tokens the verifier keeps. Draft token i is accepted with probability
+  ``min(1, target_probs[i, t_i] / draft_probs[i, t_i])``; verification stops at the first rejection.
+- **recovered**: the token sampled at the first rejection, position i, from the residual
+  ``normalize(max(0, target_probs[i] - draft_probs[i]))``.
+- **bonus**: the token sampled from ``target_probs[k]`` when all k draft tokens were accepted.
+
+Every step therefore commits the accepted tokens plus exactly one token of the target's own
+(recovered or bonus), and the committed text is distributed exactly as if the target had sampled
+it alone (Leviathan et al. 2023, Chen et al. 2023). With temperature 0 the target's probabilities
+are one-hot and this reduces to greedy verification, which also has its own small path below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from verispec.config import SamplingConfig
+from verispec.sampling import logits_to_probs, sample
+from verispec.types import Draft, VerifyResult
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,  # [k] int64
+    draft_probs: torch.Tensor | None,  # [k, V], or None: deterministic proposal, one-hot
+    target_probs: torch.Tensor,  # [k+1, V], rows sum to 1
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Exact speculative sampling of one sequence's draft tokens against the target's probabilities.
+
+    Draws exactly k uniforms and one token per call, whatever the outcome, so a seeded generator
+    gives reproducible results. k = 0 is plain decoding: the result is one bonus token.
+    """
+    k = _check_shapes(draft_tokens, draft_probs, target_probs, "target_probs")
+    vocab = target_probs.shape[-1]
+    if draft_probs is None:
+        draft_probs = F.one_hot(draft_tokens, vocab).to(target_probs.dtype)  # [k, V]
+    draft_probs = draft_probs.to(target_probs.dtype)
+
+    positions = torch.arange(k, device=target_probs.device)  # [k]
+    target_token_probs = target_probs[positions, draft_tokens]  # [k]
+    draft_token_probs = draft_probs[positions, draft_tokens]  # [k]
+    uniforms = torch.rand(
+        k, generator=generator, device=target_probs.device, dtype=target_probs.dtype
+    )  # [k], in [0, 1)
+    # u < target / draft, multiplied out so that a zero draft probability cannot divide by zero.
+    accepted = uniforms * draft_token_probs < target_token_probs  # [k] bool
+    num_accepted = int(accepted.long().cumprod(dim=0).sum())  # length of the all-accepted prefix
+
+    # Residual at the first rejection. A zero draft row appended at position k makes the same
+    # formula give target_probs[k] there, the bonus token's distribution.
+    draft_rows = torch.cat([draft_probs, draft_probs.new_zeros(1, vocab)])  # [k+1, V]
+    residual = (target_probs[num_accepted] - draft_rows[num_accepted]).clamp_min(0.0)  # [V]
+    mass = residual.sum()
+    # The residual is all zeros only when the two rows agree up to rounding, where a rejection had
+    # probability ~0; the target's own row is then the right distribution to fall back on.
+    adjusted = torch.where(mass > 0, residual / mass, target_probs[num_accepted])  # [V]
+    last_token = int(sample(adjusted, generator))
+
+    tokens = [*draft_tokens[:num_accepted].tolist(), last_token]
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_drafted=k)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor,  # [k] int64
+    target_logits: torch.Tensor,  # [k+1, V]
+) -> VerifyResult:
+    """Temperature 0: keep draft tokens while they equal the target's argmax, then add its argmax."""
+    k = _check_shapes(draft_tokens, None, target_logits, "target_logits")
+    target_choice = target_logits.argmax(dim=-1)  # [k+1]
+    matches = draft_tokens == target_choice[:k]  # [k] bool
+    num_accepted = int(matches.long().cumprod(dim=0).sum())
+    tokens = [*draft_tokens[:num_accepted].tolist(), int(target_choice[num_accepted])]
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_drafted=k)
+
+
+def verify(
+    draft: Draft,
+    target_logits: torch.Tensor,  # [k+1, V], the target's logits after the context and each draft token
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Verify one sequence's draft: greedy when ``sampling.greedy``, exact rejection sampling otherwise.
+
+    The target's logits go through the same :func:`logits_to_probs` transform the draft's
+    probabilities must have come from; otherwise the output is not the target's distribution.
+    """
+    _check_shapes(draft.tokens, draft.probs, target_logits, "target_logits")
+    if sampling.greedy:
+        return greedy_verify(draft.tokens, target_logits)
+    target_probs = logits_to_probs(target_logits, sampling)  # [k+1, V]
+    return rejection_sample(draft.tokens, draft.probs, target_probs, generator)
+
+
+def _check_shapes(
+    draft_tokens: torch.Tensor,  # [k]
+    draft_probs: torch.Tensor | None,  # [k, V] or None
+    target: torch.Tensor,  # [k+1, V]
+    target_name: str,
+) -> int:
+    """Raise a ValueError naming the mismatch; return k."""
+    if draft_tokens.dim() != 1 or draft_tokens.dtype.is_floating_point or draft_tokens.is_complex():
+        raise ValueError(
+            f"draft_tokens must be a 1-D integer tensor, got {draft_tokens.dtype} {tuple(draft_tokens.shape)}"
+        )
+    k = int(draft_tokens.shape[0])
+    if target.dim() != 2 or target.shape[0] != k + 1:
+        raise ValueError(
+            f"{target_name} must have shape [k+1, vocab] = [{k + 1}, vocab] for {k} draft tokens, "
+            f"got {tuple(target.shape)}"
+        )
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target.shape[1]):
+        raise ValueError(
+            f"draft_probs must have shape [k, vocab] = [{k}, {target.shape[1]}], "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    return k
