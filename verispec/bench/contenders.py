@@ -1,0 +1,93 @@
+"""A contender is anything the benchmark times: a verispec method or another tool's decoding.
+
+They all take the same prompt token ids (the harness applies the chat template once, with the
+target's tokenizer) and return a :class:`Turn`, timed the same way: wall time around the whole call,
+prefill included. So a contender differs from another only in how it decodes.
+
+``references`` says which plain decoding a contender's greedy output must equal (the lossless
+check): the first of them that ran. verispec methods and transformers' plain ``generate`` must equal
+verispec's plain decoding; transformers' assisted and prompt-lookup modes must equal its plain mode;
+llama.cpp computes with quantized arithmetic, so only its prompt lookup is checked, against
+llama.cpp plain.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from verispec.bench.records import SpecCounts, Turn
+from verispec.bench.settings import PLAIN, BenchSettings
+from verispec.config import DraftModelConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.models.hf import HFCausalLM
+from verispec.proposers.base import build_proposer
+
+
+class Contender(Protocol):
+    name: str
+    references: tuple[str, ...]
+    """Plain decodings this one's output must equal, in order of preference (empty: not checked)."""
+    description: dict[str, object]
+    """Settings that define this contender, for the report (k, library defaults it runs with, ...)."""
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
+        """Greedy-decode up to ``max_new_tokens`` after ``prompt_ids``, timed."""
+        ...
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A requested contender that cannot run here, and why (shown in the report, never silent)."""
+
+    name: str
+    reason: str
+
+
+class EngineContender:
+    """A verispec method: one :class:`SpecEngine` over the shared, already loaded target."""
+
+    def __init__(self, name: str, engine: SpecEngine) -> None:
+        self.name = name
+        self.engine = engine
+        self.references: tuple[str, ...] = () if name == PLAIN else (PLAIN,)
+        spec = engine.spec
+        self.description: dict[str, object] = {"backend": "verispec", "method": spec.method}
+        if spec.method is not None:
+            self.description["num_speculative_tokens"] = spec.num_speculative_tokens
+        if spec.method == "ngram":
+            self.description["ngram"] = {"max_ngram": spec.ngram.max_ngram, "min_ngram": spec.ngram.min_ngram}
+        if spec.method == "draft":
+            self.description["draft"] = spec.draft.model
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
+        started = time.perf_counter()
+        gen = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        seconds = time.perf_counter() - started
+        return Turn(
+            prompt_tokens=len(prompt_ids),
+            token_ids=list(gen.token_ids),
+            seconds=seconds,
+            counts=SpecCounts.from_stats(gen.stats),
+        )
+
+
+def engine_contenders(
+    settings: BenchSettings, target: HFCausalLM, draft: HFCausalLM | None
+) -> list[EngineContender]:
+    """One engine per verispec method, all sharing the loaded target (and draft) weights."""
+    out = []
+    for name in settings.methods:
+        method = None if name == PLAIN else name
+        spec = SpecConfig(
+            method=method,  # type: ignore[arg-type]
+            num_speculative_tokens=settings.num_speculative_tokens,
+            ngram=settings.ngram,
+            draft=DraftModelConfig(model=settings.draft if method == "draft" else None),
+        )
+        own_draft = draft if method == "draft" else None
+        proposer = build_proposer(spec, target, own_draft)
+        engine = SpecEngine(target, proposer, spec, tokenizer=target.tokenizer, draft=own_draft)
+        out.append(EngineContender(name, engine))
+    return out

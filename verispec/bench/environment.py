@@ -1,0 +1,79 @@
+"""Where a measurement was taken: machine, library versions, git commit.
+
+Tokens per second mean nothing without the machine and the code that produced them, so every
+results file carries these. Everything here is best effort: a missing value is None, never a crash.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def machine() -> dict[str, object]:
+    """CPU model, core count, RAM, the threads PyTorch uses and how busy the machine is right now."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gb": _ram_gb(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "gpu": gpu,
+        "load_average": load_average(),
+    }
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15-minute load averages: other work on a shared machine slows every contender unevenly."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of Python and of every library that can change the numbers."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "verispec", "llama-cpp-python"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def git_commit(root: Path = REPO_ROOT) -> str | None:
+    """``git rev-parse HEAD`` of the repository, or None (not a checkout, no commit yet, no git)."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _ram_gb() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None

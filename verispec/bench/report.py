@@ -1,0 +1,207 @@
+"""A run's outputs: ``results.json`` for machines, ``report.md`` and a printed table for people.
+
+The JSON holds everything needed to recompute every number (per-prompt records with their counts
+and timings) plus what is needed to trust them (machine, versions, commit, settings, command). The
+report shows the same tables and never hides a failed lossless check or a skipped baseline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from verispec.bench.aggregate import Summary
+from verispec.bench.harness import BenchRun
+
+SCHEMA = "verispec-bench/1"
+HEADER = ("method", "category", "prompts", "tok/s", "speedup", "vs ref", "accept", "tau",
+          "draft/verify/other", "lossless")  # fmt: skip
+
+
+def results_dict(run: BenchRun) -> dict[str, Any]:
+    lossless = [s for s in run.summaries if s.group == "overall"]
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": run.command,
+        **run.environment,
+        "settings": run.settings.to_dict(),
+        "models": run.models,
+        "contenders": run.contenders,
+        "skipped": [{"name": s.name, "reason": s.reason} for s in run.skipped],
+        "lossless": {
+            "checked": sum(s.lossless_checked for s in lossless),
+            "mismatches": sum(s.lossless_mismatches for s in lossless),
+        },
+        "wall_seconds": run.wall_seconds,
+        "summary": [s.to_dict() for s in run.summaries],
+        "records": [r.to_dict() for r in run.records],
+    }
+
+
+def table_rows(summaries: Sequence[Summary]) -> list[tuple[str, ...]]:
+    """One row of :data:`HEADER` per summary; "-" where a number does not apply."""
+    rows = []
+    for s in summaries:
+        split = "-"
+        if s.time_split is not None and s.seconds > 0:
+            split = (
+                "/".join(f"{100 * s.time_split[k] / s.seconds:.0f}" for k in ("draft", "verify", "other"))
+                + " %"
+            )
+        rows.append(
+            (
+                s.method,
+                s.group,
+                str(s.prompts),
+                f"{s.tokens_per_second:.2f}",
+                _num(s.speedup, "{:.2f}x"),
+                f"{_num(s.speedup_over_reference, '{:.2f}x')} {s.reference}"
+                if s.speedup_over_reference
+                else "-",
+                _num(s.acceptance_rate, "{:.1%}"),
+                _num(s.mean_accepted_length, "{:.2f}"),
+                split,
+                _lossless(s),
+            )
+        )
+    return rows
+
+
+def text_table(rows: Sequence[Sequence[str]], header: Sequence[str] = HEADER) -> str:
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines = [header, tuple("-" * w for w in widths), *rows]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def markdown_table(rows: Sequence[Sequence[str]], header: Sequence[str] = HEADER) -> str:
+    lines = [header, tuple("---" for _ in header), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
+    s = run.settings
+    env = run.environment
+    machine = env.get("machine", {})
+    versions = env.get("versions", {})
+    rows = table_rows(run.summaries)
+    overall = [r for r, summary in zip(rows, run.summaries, strict=True) if summary.group == "overall"]
+    prompts = len({(r.dataset, r.category, r.prompt_id) for r in run.records})
+    out = [
+        "# verispec bench",
+        "",
+        "```",
+        run.command,
+        "```",
+        "",
+        f"- target: `{s.target}`" + (f", draft: `{s.draft}`" if s.draft else ""),
+        f"- {prompts} prompts from {', '.join(s.datasets)}"
+        + (f" (categories {', '.join(s.categories)})" if s.categories else "")
+        + (f", first {s.limit_per_category} per category" if s.limit_per_category else ""),
+        f"- greedy, batch 1, up to {s.max_new_tokens} new tokens per turn, {s.warmup} warm-up generation(s) "
+        f"per method, k = {s.num_speculative_tokens}",
+        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('ram_gb')} GB RAM, "
+        f"torch threads: {machine.get('torch_threads')}, load average {_load(machine)}",
+        *_busy_warning(machine),
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        f"- git commit: {env.get('git_commit') or 'none (not a git checkout with a commit)'}",
+        f"- wall time of the run: {run.wall_seconds:.0f} s",
+        "",
+        "## Overall",
+        "",
+        markdown_table(overall),
+        "",
+        "## Per category",
+        "",
+        markdown_table(rows),
+        "",
+        _legend(),
+        "",
+        "## Lossless check",
+        "",
+        *_lossless_section(run),
+        "",
+    ]
+    if run.skipped:
+        out += ["## Skipped", "", *(f"- **{k.name}**: {k.reason}" for k in run.skipped), ""]
+    out += ["## Contenders", "", *(f"- **{n}**: {_describe(d)}" for n, d in run.contenders.items()), ""]
+    if plots:
+        out += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+    return "\n".join(out)
+
+
+def write_outputs(run: BenchRun, out_dir: Path, plots: Sequence[Path]) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(results_dict(run), indent=1) + "\n")
+    report = out_dir / "report.md"
+    report.write_text(report_markdown(run, plots))
+    return results, report
+
+
+def _load(machine: dict[str, Any]) -> str:
+    start, end = machine.get("load_average"), machine.get("load_average_end")
+    before, after = (x[0] if x else "?" for x in (start, end))
+    return f"{before} before the run, {after} at its end (1 min; this run included)"
+
+
+def _busy_warning(machine: dict[str, Any]) -> list[str]:
+    """A visible caveat when other work shared the CPU: the timings are then noisy and uneven."""
+    cores = machine.get("cores") or 0
+    start = machine.get("load_average")
+    if cores and start and start[0] > 0.5 * cores:
+        return [
+            f"- **warning**: the machine was busy before the run (load average {start[0]} on {cores} cores); "
+            "other processes slow some generations more than others, so treat these timings as noisy"
+        ]
+    return []
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _lossless(s: Summary) -> str:
+    if not s.lossless_checked:
+        return "-"
+    if s.lossless_mismatches == 0:
+        return f"ok {s.lossless_checked}/{s.lossless_checked}"
+    return f"{s.lossless_mismatches}/{s.lossless_checked} DIFFER"
+
+
+def _legend() -> str:
+    return (
+        "tok/s: mean over prompts of new tokens / wall time (prefill included, all turns). "
+        "speedup: over `none` (verispec plain decoding) on the same prompts in this run. "
+        "vs ref: over the plain decoding of the same library. "
+        "accept: accepted / drafted tokens. tau: tokens committed per target forward pass (bonus included). "
+        "draft/verify/other: share of wall time. "
+        "lossless: outputs equal to the reference's, token for token. "
+        "Contenders run interleaved, prompt by prompt, after their warm-up generations."
+    )
+
+
+def _lossless_section(run: BenchRun) -> list[str]:
+    checked = [r for r in run.records if r.matches_reference is not None]
+    bad = [r for r in checked if not r.matches_reference]
+    lines = [
+        f"{len(checked) - len(bad)} of {len(checked)} checked outputs equal their reference's greedy output."
+    ]
+    unchecked = sorted({r.method for r in run.records if r.matches_reference is None and r.method != "none"})
+    if unchecked:
+        lines.append(f"Not checked (no comparable plain decoding): {', '.join(unchecked)}.")
+    for r in bad:
+        lines.append(
+            f"- **MISMATCH** {r.method} vs {r.reference} on {r.dataset} {r.prompt_id} ({r.category}): "
+            f"first differing token at output position {r.first_mismatch}"
+        )
+    return lines
+
+
+def _describe(description: dict[str, object]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in description.items() if v is not None)

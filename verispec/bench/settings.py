@@ -1,0 +1,114 @@
+"""BenchSettings: everything that defines a benchmark run, validated before any model is loaded.
+
+The settings are written verbatim into ``results.json``, so a run can be repeated from its results
+file alone. Nothing here depends on the evaluation prompts: the warm-up prompt is fixed text, and
+every knob (k, n-gram sizes, prompt-lookup length) is set by the user, never fitted to the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from verispec.bench.datasets import CATEGORIES, DATASETS
+from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS, ModelLoadConfig, NgramConfig
+from verispec.errors import VerispecError
+
+PLAIN = "none"
+"""The method name of plain decoding: the reference of every speedup and of the lossless check."""
+
+BASELINES: tuple[str, ...] = ("hf", "hf-assisted", "hf-pld", "llamacpp", "llamacpp-pld")
+"""Other tools a user could pick instead, run side by side on the same models and prompts."""
+
+WARMUP_PROMPT = "Write a short poem about the sea, then explain its rhyme scheme."
+"""Warm-up text, deliberately not taken from any evaluation set."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """One benchmark run: models, methods, prompts and generation limits."""
+
+    target: str
+    """Target model: registry name, Hugging Face folder or .gguf file."""
+    draft: str | None = None
+    """Draft model for the ``draft`` method and the ``hf-assisted`` baseline."""
+    methods: tuple[str, ...] = (PLAIN, "ngram")
+    """verispec methods; ``none`` (plain decoding) is always run first, as the reference."""
+    baselines: tuple[str, ...] = ()
+    """Baselines from :data:`BASELINES`; each is skipped, with a note, if its package or model is absent."""
+    num_speculative_tokens: int = 5
+    """k: draft tokens per step for the verispec methods."""
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    """N-gram sizes of the ``ngram`` proposer."""
+    prompt_lookup_tokens: int = 10
+    """Draft length of the prompt-lookup baselines (transformers and llama.cpp)."""
+    datasets: tuple[str, ...] = ("humaneval",)
+    categories: tuple[str, ...] | None = None
+    """Keep only these categories (plain or ``dataset/category``); datasets none applies to run whole."""
+    limit_per_category: int | None = None
+    """First N prompts of each category, in file order."""
+    data_dir: Path | None = None
+    """Folder with spec_bench/, mt_bench/ and humaneval/ (default: shared/data or $VERISPEC_DATA_DIR)."""
+    max_new_tokens: int = 128
+    """New tokens per turn."""
+    warmup: int = 1
+    """Untimed generations per method before timing starts."""
+    load: ModelLoadConfig = field(default_factory=ModelLoadConfig)
+
+    def __post_init__(self) -> None:
+        methods = tuple(dict.fromkeys((PLAIN, *self.methods)))  # plain first, no duplicates
+        object.__setattr__(self, "methods", methods)
+        unknown = [m for m in methods if m != PLAIN and m not in METHODS]
+        if unknown:
+            raise VerispecError(
+                f"unknown method {', '.join(unknown)}; choose from {PLAIN}, {', '.join(METHODS)}"
+            )
+        if "draft" in methods and self.draft is None:
+            raise VerispecError("method 'draft' needs a draft model (--draft NAME|FOLDER|FILE.gguf)")
+        bad = [b for b in self.baselines if b not in BASELINES]
+        if bad:
+            raise VerispecError(f"unknown baseline {', '.join(bad)}; choose from {', '.join(BASELINES)}")
+        bad = [d for d in self.datasets if d not in DATASETS]
+        if bad or not self.datasets:
+            raise VerispecError(
+                f"unknown dataset {', '.join(bad) or '(none)'}; choose from {', '.join(DATASETS)}"
+            )
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise VerispecError(
+                f"-k must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        for value, flag, low in (
+            (self.max_new_tokens, "--max-new-tokens", 1),
+            (self.warmup, "--warmup", 0),
+            (self.prompt_lookup_tokens, "--prompt-lookup-tokens", 1),
+            (self.limit_per_category, "--limit", 1),
+        ):
+            if value is not None and value < low:
+                raise VerispecError(f"{flag} must be >= {low}, got {value}")
+        self.categories_by_dataset()  # validates the category names
+
+    def categories_by_dataset(self) -> dict[str, list[str] | None]:
+        """Each dataset's category filter (None = every category) resolved from :attr:`categories`."""
+        if self.categories is None:
+            return dict.fromkeys(self.datasets)
+        chosen: dict[str, list[str]] = {d: [] for d in self.datasets}
+        for name in self.categories:
+            dataset, _, category = name.rpartition("/")
+            homes = [d for d in self.datasets if (not dataset or d == dataset) and category in CATEGORIES[d]]
+            if not homes:
+                valid = sorted({c for d in self.datasets for c in CATEGORIES[d]})
+                raise VerispecError(
+                    f"category {name!r} is in none of the datasets {', '.join(self.datasets)}; "
+                    f"valid categories: {', '.join(valid)}"
+                )
+            for d in homes:
+                chosen[d].append(category)
+        return {d: (cats or None) for d, cats in chosen.items()}
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["data_dir"] = str(self.data_dir) if self.data_dir is not None else None
+        out["categories_by_dataset"] = self.categories_by_dataset()
+        out["warmup_prompt"] = WARMUP_PROMPT
+        out["decoding"] = "greedy, batch 1"
+        return out
