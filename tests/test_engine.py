@@ -148,3 +148,24 @@ def test_generation_stops_at_context_end(tiny_target, tiny_draft):
     engine = make_engine(tiny_target, tiny_draft, "draft", k=6)
     gen = engine.generate([7] * 500, max_new_tokens=100)
     assert len(gen.token_ids) == 12 and gen.finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_confidence_stop_drafts_less_and_stays_lossless(tiny_target, tiny_draft, temperature):
+    def engine(p_min: float) -> SpecEngine:
+        spec = SpecConfig(
+            method="draft", num_speculative_tokens=6, draft=DraftModelConfig("tiny", p_min=p_min)
+        )
+        return SpecEngine(tiny_target, build_proposer(spec, tiny_target, tiny_draft), spec, draft=tiny_draft)
+
+    kwargs = dict(max_new_tokens=40, temperature=temperature, seed=7)
+    full = engine(0.0).generate(PROMPTS[0], **kwargs)
+    cautious = engine(0.12).generate(PROMPTS[0], **kwargs)  # about the tiny draft's median top probability
+    assert 0 < cautious.stats.num_drafted < full.stats.num_drafted
+    assert cautious.stats.acceptance_rate >= full.stats.acceptance_rate
+    if temperature == 0.0:
+        assert (
+            cautious.token_ids
+            == full.token_ids
+            == make_engine(tiny_target, None, None).generate(PROMPTS[0], max_new_tokens=40).token_ids
+        )

@@ -47,10 +47,13 @@ def engine_for(target, method, draft=None, k=4) -> SpecEngine:
 @needs_smollm2
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
-    # The draft is the same network in bfloat16: a real, slightly different model, so drafts are
-    # mostly but not always accepted.
+    # The target runs the default int8 fast path; the draft is the same network with float32
+    # weights: a real, slightly different model, so drafts are mostly but not always accepted.
+    assert smollm2.quantization == "int8"
     draft = (
-        load_model("smollm2-135m-instruct", ModelLoadConfig(dtype="bfloat16")) if method == "draft" else None
+        load_model("smollm2-135m-instruct", ModelLoadConfig(quantization="none"))
+        if method == "draft"
+        else None
     )
     plain = engine_for(smollm2, None)
     spec = engine_for(smollm2, method, draft)

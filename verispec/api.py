@@ -20,14 +20,17 @@ def load(
     device: str = "cpu",
     dtype: str = "float32",
     threads: int | None = None,
+    quantization: str = "auto",
     ngram_max: int = 4,
     ngram_min: int = 1,
+    draft_p_min: float = 0.0,
 ) -> SpecEngine:
     """Load a target (and a draft model when the method needs one) and return a ready engine.
 
     ``method`` is ``"draft"``, ``"ngram"`` or None for plain decoding; a given ``draft`` with no
     method means ``"draft"``. Models are registry names (``verispec models``), local Hugging Face
-    folders or ``.gguf`` files.
+    folders or ``.gguf`` files. ``quantization="auto"`` runs float32 models on CPU with int8
+    weights (the fast path, see :mod:`verispec.models.quant`); ``"none"`` keeps float weights.
     """
     if method is None and draft is not None:
         method = "draft"
@@ -37,9 +40,14 @@ def load(
         method=method,
         num_speculative_tokens=num_speculative_tokens,
         ngram=NgramConfig(max_ngram=ngram_max, min_ngram=ngram_min),
-        draft=DraftModelConfig(model=str(draft) if draft is not None else None),
+        draft=DraftModelConfig(model=str(draft) if draft is not None else None, p_min=draft_p_min),
     )
-    load_cfg = ModelLoadConfig(device=device, dtype=dtype, threads=threads)  # type: ignore[arg-type]
+    load_cfg = ModelLoadConfig(
+        device=device,
+        dtype=dtype,  # type: ignore[arg-type]
+        threads=threads,
+        quantization=quantization,  # type: ignore[arg-type]
+    )
     target_model = load_model(target, load_cfg)
     draft_model = load_model(draft, load_cfg) if method == "draft" and draft is not None else None
     proposer = build_proposer(spec, target_model, draft_model)

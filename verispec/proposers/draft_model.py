@@ -31,7 +31,7 @@ class DraftModelState:
     sampling: SamplingConfig
     generator: torch.Generator
     fed_before_draft: int = 0  # cache length when the last draft started (all committed tokens)
-    last_k: int = 0
+    fed_drafts: int = 0  # draft tokens of the last proposal that were fed into the cache
 
 
 @register("draft")
@@ -44,6 +44,7 @@ class DraftModelProposer(Proposer):
         check_same_vocabulary(target, draft)
         self.model = draft
         self.target_vocab = target.vocab_size
+        self.p_min = spec.draft.p_min
 
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> DraftModelState:
         seed = None if sampling.seed is None else sampling.seed + _DRAFT_SEED_OFFSET
@@ -54,19 +55,28 @@ class DraftModelProposer(Proposer):
     def propose(self, state: DraftModelState, token_ids: Sequence[int], k: int) -> Draft:
         pending = list(token_ids[state.cache.length :])
         state.fed_before_draft = len(token_ids)
-        state.last_k = k
+        state.fed_drafts = 0
         greedy = state.sampling.greedy
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         next_input = torch.tensor([pending], dtype=torch.long)  # [1, P]
         for i in range(k):
             logits = self._fit_vocab(self.model.forward(next_input, state.cache).logits[0, -1])  # [V]
+            state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
             if greedy:
                 token = int(logits.argmax())
+                confident = self.p_min == 0.0 or float(logits.softmax(-1)[token]) >= self.p_min
             else:
                 row = logits_to_probs(logits, state.sampling)
+                confident = self.p_min == 0.0 or float(row.max()) >= self.p_min
                 token = int(sample(row, state.generator))
                 probs.append(row)
+            if not confident:
+                # A draft this unsure is likely rejected; stop before it. Known before
+                # verification, so stopping here cannot bias the output.
+                if probs:
+                    probs.pop()
+                break
             tokens.append(token)
             if i < k - 1:
                 next_input = torch.tensor([[token]], dtype=torch.long)
@@ -76,10 +86,11 @@ class DraftModelProposer(Proposer):
         )
 
     def update(self, state: DraftModelState, token_ids: Sequence[int], num_accepted: int) -> None:
-        # The cache holds the committed tokens plus draft tokens 1..k-1; keep the accepted ones.
-        keep = state.fed_before_draft + min(num_accepted, max(state.last_k - 1, 0))
+        # The cache holds the committed tokens plus the fed draft tokens (1..k-1 after a full
+        # proposal, fewer after an early stop); keep the accepted ones.
+        keep = state.fed_before_draft + min(num_accepted, state.fed_drafts)
         state.cache.trim(state.cache.length - keep)
-        state.last_k = 0
+        state.fed_drafts = 0
         state.fed_before_draft = state.cache.length
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:

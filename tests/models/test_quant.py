@@ -1,0 +1,97 @@
+"""The int8 fast path: conversion, closeness to float32, and lossless speculation on top of it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from tests.test_engine import PROMPTS, make_engine
+from verispec.errors import VerispecError
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import RowwiseInt8Linear, quantize_int8_dynamic, resolve_quantization
+
+
+@pytest.fixture(scope="module")
+def float_and_int8() -> tuple[HFCausalLM, HFCausalLM]:
+    model = tiny_llama(0)
+    quantized = quantize_int8_dynamic(copy.deepcopy(model))
+    return HFCausalLM(model, name="fp32"), HFCausalLM(quantized, name="int8")
+
+
+def test_every_linear_is_quantized_and_the_head_keeps_its_width(float_and_int8):
+    fp32, int8 = float_and_int8
+    assert not any(type(m) is torch.nn.Linear for m in int8.model.modules())
+    assert isinstance(int8.lm_head, RowwiseInt8Linear)
+    assert int8.vocab_size == fp32.vocab_size
+
+
+def test_int8_logits_stay_close_to_float32(float_and_int8):
+    fp32, int8 = float_and_int8
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    want = fp32.forward(ids, fp32.new_cache(), logits_to_keep=0).logits[0]
+    got = int8.forward(ids, int8.new_cache(), logits_to_keep=0).logits[0]
+    agreement = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agreement >= 0.9, agreement
+    assert torch.nn.functional.cosine_similarity(want, got, dim=-1).min() > 0.98
+
+
+def test_speculation_is_lossless_on_the_int8_path(float_and_int8):
+    """int8 target with a float32 draft: greedy speculative output equals the int8 target's own."""
+    fp32, int8 = float_and_int8
+    plain = make_engine(int8, None, None)
+    spec = make_engine(int8, fp32, "draft", k=4)
+    accepted = 0
+    for prompt in PROMPTS:
+        got = spec.generate(prompt, max_new_tokens=30)
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=30).token_ids
+        accepted += got.stats.num_accepted
+    assert accepted > 0
+
+
+@pytest.mark.parametrize(
+    ("requested", "device", "dtype", "expected"),
+    [
+        ("auto", "cpu", "float32", "int8"),
+        ("auto", "cuda", "float32", "none"),
+        ("auto", "cpu", "bfloat16", "none"),
+        ("none", "cpu", "float32", "none"),
+        ("int8", "cpu", "float32", "int8"),
+    ],
+)
+def test_resolve_quantization(requested, device, dtype, expected):
+    assert resolve_quantization(requested, device, dtype) == expected
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cuda", "float32"), ("cpu", "bfloat16")])
+def test_int8_where_it_cannot_run_is_a_clear_error(device, dtype):
+    with pytest.raises(VerispecError, match="int8"):
+        resolve_quantization("int8", device, dtype)
+
+
+def test_rowwise_int8_linear_is_batch_invariant_to_the_bit():
+    """A token's output must not depend on the tokens verified beside it (else greedy drifts)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    quantized = quantize_int8_dynamic(torch.nn.Sequential(linear))[0]
+    rows = torch.randn(9, 64) * torch.logspace(-3, 3, 9)[:, None]  # wildly different magnitudes
+    together = quantized(rows)
+    alone = torch.cat([quantized(rows[i : i + 1]) for i in range(9)])
+    assert torch.equal(together, alone)
+    reference = linear(rows)
+    assert ((together - reference).norm(dim=-1) / reference.norm(dim=-1)).max() < 0.05
+
+
+def test_int8_model_scores_a_token_identically_alone_or_beside_drafts(float_and_int8):
+    """The whole int8 model is batch-invariant to the bit: prefill, decode and verify agree."""
+    _, int8 = float_and_int8
+    prompt = [i % 90 + 3 for i in range(137)]  # long enough for stock attention kernels to change block sizes
+    alone = int8.forward(torch.tensor([prompt]), int8.new_cache()).logits[0, -1]
+    with_drafts = int8.forward(torch.tensor([[*prompt, 5, 6, 7, 8, 9]]), int8.new_cache(), logits_to_keep=6)
+    assert torch.equal(alone, with_drafts.logits[0, 0])
+    cache = int8.new_cache()
+    int8.forward(torch.tensor([prompt[:-1]]), cache)
+    verify_step = int8.forward(torch.tensor([[prompt[-1], 5, 6, 7]]), cache, logits_to_keep=4).logits[0, 0]
+    assert torch.equal(alone, verify_step)
