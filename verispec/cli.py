@@ -172,6 +172,11 @@ def _generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     color = args.show_drafts or (sys.stdout.isatty() and not args.json)
+    if args.compare_plain and engine.proposer is not None:
+        # Warm both paths up (kernel JIT for new shapes, first touches of weights) so the timed
+        # runs compare decoding, not start-up.
+        for warm in (engine, engine.plain_engine()):
+            warm.generate(prompt_ids, **{**sampling, "max_new_tokens": 8})
     events = []
     for event in engine.stream(prompt_ids, **sampling):
         events.append(event)
