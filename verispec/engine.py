@@ -236,6 +236,11 @@ class SpecEngine:
 
     def _score(self, seq: SequenceState, draft: Draft) -> torch.Tensor:
         """Target logits at the k+1 positions that judge the draft: [k+1, V]."""
+        if seq.cache.length == 0 and len(seq.token_ids) > 1:
+            # Prefill all prompt tokens but the last on their own, whatever the draft: the prompt is
+            # then processed by the same call with or without speculation, and only the short
+            # decode/verify calls need batch-invariant kernels (see verispec.models.attention).
+            self.target.forward(torch.tensor([seq.token_ids[:-1]]), seq.cache)
         pending = seq.token_ids[seq.cache.length :]
         input_ids = torch.tensor([pending + draft.tokens.tolist()], dtype=torch.long)  # [1, P + k]
         out = self.target.forward(input_ids, seq.cache, logits_to_keep=draft.k + 1)

@@ -123,3 +123,14 @@ def test_data_dir_from_argument_and_env(tmp_path: Path, monkeypatch: pytest.Monk
     assert load_dataset("mt_bench") == expected
     with pytest.raises(VerispecError, match="missing"):
         load_dataset("humaneval")  # the folder exists but holds no HumanEval file
+
+
+def test_seed_samples_reproducibly_and_differs_from_file_order():
+    first = load_dataset("spec_bench", limit_per_category=3)
+    a = load_dataset("spec_bench", limit_per_category=3, seed=1)
+    b = load_dataset("spec_bench", limit_per_category=3, seed=1)
+    c = load_dataset("spec_bench", limit_per_category=3, seed=2)
+    assert [p.id for p in a] == [p.id for p in b]
+    assert [p.id for p in a] != [p.id for p in first] and [p.id for p in a] != [p.id for p in c]
+    assert sorted({p.category for p in a}) == sorted({p.category for p in first})
+    assert all(sum(p.category == cat for p in a) == 3 for cat in {p.category for p in a})

@@ -36,7 +36,7 @@ MACHINE = {"cpu", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_a
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {
     "target", "draft", "methods", "baselines", "num_speculative_tokens", "ngram", "prompt_lookup_tokens",
-    "datasets", "categories", "limit_per_category", "data_dir", "max_new_tokens", "warmup", "load",
+    "datasets", "categories", "limit_per_category", "seed", "data_dir", "max_new_tokens", "warmup", "load",
     "categories_by_dataset", "warmup_prompt", "decoding",
 }  # fmt: skip
 RECORD = {

@@ -14,6 +14,7 @@ A group is a ``dataset/category`` or ``overall`` (every prompt of the run).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from statistics import fmean
 from typing import Any
@@ -93,7 +94,7 @@ def _summary(method: str, group: str, rows: list[PromptRecord], by_key: dict) ->
         seconds=seconds,
         tokens_per_second=_mean_tps(rows),
         speedup=_ratio_over(PLAIN, rows, by_key),
-        **_speculation(_pooled([r.counts for r in rows]), seconds),
+        **_speculation(pooled([r.counts for r in rows]), seconds),
         reference=reference,
         speedup_over_reference=(
             _ratio_over(reference, rows, by_key) if reference not in (None, PLAIN, method) else None
@@ -124,7 +125,7 @@ def _speculation(counts: SpecCounts | None, seconds: float) -> dict[str, Any]:
     )
 
 
-def _pooled(counts: list[SpecCounts | None]) -> SpecCounts | None:
+def pooled(counts: Sequence[SpecCounts | None]) -> SpecCounts | None:
     """Sum of the counts, or None if any record has none (a method without speculation counters)."""
     if not counts or any(c is None for c in counts):
         return None

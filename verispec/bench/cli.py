@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "--limit", type=int, default=None, help="first N prompts of each category (default: all)"
     )
     bench.add_argument(
+        "--seed", type=int, default=None, help="sample prompts in a seeded random order (default: file order)"
+    )
+    bench.add_argument(
         "--categories", type=_csv, default=None, help="comma list of categories (or dataset/category) to keep"
     )
     bench.add_argument(
@@ -266,6 +269,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         datasets=tuple(args.dataset),
         categories=tuple(args.categories) if args.categories else None,
         limit_per_category=args.limit,
+        seed=args.seed,
         data_dir=args.data_dir,
         max_new_tokens=args.max_new_tokens,
         warmup=args.warmup,

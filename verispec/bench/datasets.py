@@ -20,6 +20,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,11 +82,14 @@ def load_dataset(
     limit_per_category: int | None = None,
     categories: list[str] | None = None,
     limit: int | None = None,
+    seed: int | None = None,
 ) -> list[BenchPrompt]:
-    """The prompts of dataset ``name``, in file order, filtered and truncated deterministically.
+    """The prompts of dataset ``name``, filtered and truncated deterministically.
 
     ``categories`` keeps only those categories (see :data:`CATEGORIES`); ``limit_per_category``
-    keeps the first N of each category; ``limit`` then keeps the first N overall.
+    keeps the first N of each category; ``limit`` then keeps the first N overall. Rows are taken in
+    file order, or in an order shuffled by ``seed`` (a reproducible random sample: the first rows of
+    a file are not always representative, e.g. Spec-Bench's MT-bench rows start with "writing").
     """
     if name not in DATASETS:
         raise VerispecError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -107,9 +111,12 @@ def load_dataset(
             "to the folder holding spec_bench/, mt_bench/ and humaneval/"
         )
 
+    rows = list(_READERS[name](root))
+    if seed is not None:
+        random.Random(seed).shuffle(rows)
     prompts: list[BenchPrompt] = []
     taken: dict[str, int] = {}
-    for prompt in _READERS[name](root):
+    for prompt in rows:
         if limit is not None and len(prompts) >= limit:
             break
         if categories is not None and prompt.category not in categories:

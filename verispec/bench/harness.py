@@ -69,7 +69,7 @@ class BenchRun:
 
 
 def select_prompts(settings: BenchSettings) -> list[BenchPrompt]:
-    """The evaluation prompts, deterministically (file order; no shuffling, no picking)."""
+    """The evaluation prompts, deterministically (file order, or a seeded shuffle; no picking)."""
     prompts: list[BenchPrompt] = []
     for dataset, categories in settings.categories_by_dataset().items():
         prompts += load_dataset(
@@ -77,6 +77,7 @@ def select_prompts(settings: BenchSettings) -> list[BenchPrompt]:
             data_dir=settings.data_dir,
             limit_per_category=settings.limit_per_category,
             categories=categories,
+            seed=settings.seed,
         )
     if not prompts:
         raise VerispecError("no prompts selected; check --dataset, --categories and --limit")
@@ -93,6 +94,7 @@ SELECTION_SETTINGS = frozenset(
         "categories",
         "categories_by_dataset",
         "limit_per_category",
+        "seed",
         "warmup",
     ]
 )

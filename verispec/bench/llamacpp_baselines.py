@@ -30,6 +30,8 @@ LLAMACPP_BASELINES = ("llamacpp", "llamacpp-pld")
 LLAMACPP_MISSING = "llama-cpp-python not installed (pip install verispec[llamacpp])"
 MAX_CONTEXT = 8192
 """llama.cpp preallocates its KV cache for the whole context: enough for any benchmark prompt + answer."""
+PLD_MAX_CONTEXT = 4096
+"""Prompt lookup keeps all logits (4096 x 152k floats = 2.5 GB for Qwen); longer prompts fail."""
 
 
 class LlamaCppContender:
@@ -45,15 +47,25 @@ class LlamaCppContender:
         self.description: dict[str, object] = description
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
+        if len(prompt_ids) + max_new_tokens > self.llm.n_ctx():
+            # A failed record, not a crash: llama-cpp-python overruns its logits buffer past n_ctx.
+            raise VerispecError(
+                f"{len(prompt_ids)} prompt + {max_new_tokens} new tokens exceed llama.cpp's context of "
+                f"{self.llm.n_ctx()} set for this benchmark"
+            )
         tokens: list[int] = []
         started = time.perf_counter()
         self.llm.reset()  # full prefill every time, as for every other contender
         stream = self.llm.generate(prompt_ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
-        for token in stream:
-            tokens.append(int(token))
-            if token in self.eos_ids or len(tokens) >= max_new_tokens:
-                break
-        stream.close()
+        try:
+            for token in stream:
+                tokens.append(int(token))
+                if token in self.eos_ids or len(tokens) >= max_new_tokens:
+                    break
+        except (RuntimeError, ValueError) as exc:
+            raise VerispecError(f"llama.cpp failed on this prompt: {exc}") from exc
+        finally:
+            stream.close()
         seconds = time.perf_counter() - started
         return Turn(prompt_tokens=len(prompt_ids), token_ids=tokens, seconds=seconds)
 
@@ -101,9 +113,14 @@ def llamacpp_contender(name: str, settings: BenchSettings, target: HFCausalLM) -
         draft_model = LlamaPromptLookupDecoding(num_pred_tokens=settings.prompt_lookup_tokens)
         description["num_pred_tokens"] = settings.prompt_lookup_tokens
     threads = torch.get_num_threads()  # the same threads as the PyTorch contenders
+    # With a draft model llama-cpp-python keeps logits for every position, in a buffer of n_batch
+    # rows: a prompt longer than n_batch overruns it, so the whole context must fit one batch there
+    # (which costs context x vocabulary floats: a smaller context for that mode).
+    n_ctx = min(target.max_context, MAX_CONTEXT if draft_model is None else PLD_MAX_CONTEXT)
     llm = llama_cpp.Llama(
         model_path=str(gguf),
-        n_ctx=min(target.max_context, MAX_CONTEXT),
+        n_ctx=n_ctx,
+        n_batch=n_ctx if draft_model is not None else 512,
         n_threads=threads,
         n_threads_batch=threads,
         draft_model=draft_model,

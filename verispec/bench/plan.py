@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from verispec.bench.aggregate import OVERALL
+from verispec.bench.aggregate import OVERALL, pooled
 from verispec.bench.records import PromptRecord, SpecCounts
 from verispec.bench.settings import PLAIN
 from verispec.errors import VerispecError
@@ -243,13 +243,7 @@ def group_records(results: dict[str, Any], group: str = OVERALL) -> list[PromptR
 
 def pooled_counts(records: Sequence[PromptRecord], method: str) -> SpecCounts | None:
     """Summed speculation counts of ``method``'s records; None if it has none (a baseline)."""
-    counts = [r.counts for r in records if r.method == method]
-    if not counts or any(c is None for c in counts):
-        return None
-    total = SpecCounts()
-    for c in counts:
-        total = total + c  # type: ignore[operator]
-    return total
+    return pooled([r.counts for r in records if r.method == method])
 
 
 def methods_from_results(

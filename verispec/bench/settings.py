@@ -46,7 +46,9 @@ class BenchSettings:
     categories: tuple[str, ...] | None = None
     """Keep only these categories (plain or ``dataset/category``); datasets none applies to run whole."""
     limit_per_category: int | None = None
-    """First N prompts of each category, in file order."""
+    """First N prompts of each category, in file order (or in ``seed``'s shuffled order)."""
+    seed: int | None = None
+    """Shuffle each dataset's rows with this seed before taking --limit per category."""
     data_dir: Path | None = None
     """Folder with spec_bench/, mt_bench/ and humaneval/ (default: shared/data or $VERISPEC_DATA_DIR)."""
     max_new_tokens: int = 128

@@ -8,9 +8,14 @@ into whole quantization steps and greedy output drifts (seen on SmolLM2 from the
 
 Here each query position is computed by itself, over exactly the keys it may see (its causal
 prefix), with matrix products whose shapes depend only on that position: the same operations run
-for position p in a prefill, a plain decode step or a verify step, so the result is bit-identical.
-Query heads that share a key/value head are computed together (a fixed group size), so the cost is
-one small product per position and layer, negligible next to the int8 Linears at decode lengths.
+for position p in a plain decode step or a verify step, so the result is bit-identical. Query heads
+that share a key/value head are computed together (a fixed group size), so the cost is one small
+product per position and layer, negligible next to the int8 Linears at decode lengths.
+
+A long prefill would pay a Python loop over thousands of positions, so calls with more than
+:data:`ROWWISE_MAX_QUERIES` new tokens use SDPA. That is safe because the engine prefills every
+prompt the same way whether it speculates or not (all prompt tokens but the last, in one call), so
+only decode and verify steps, which stay under the limit, have to agree with each other.
 
 Registered with transformers' attention interface as ``verispec_rowwise``; layers with a sliding
 window, and calls with a custom mask (token trees) fall back to transformers' SDPA.
@@ -23,7 +28,12 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from verispec.config import MAX_SPECULATIVE_TOKENS
+
 NAME = "verispec_rowwise"
+ROWWISE_MAX_QUERIES = MAX_SPECULATIVE_TOKENS + 2
+"""Decode and verify steps feed at most k + 2 tokens (a pending token the draft lags by, the last
+committed token and k drafts); longer calls are prefills and take SDPA."""
 
 
 def rowwise_attention(
@@ -39,7 +49,9 @@ def rowwise_attention(
     batch, heads, new, dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     custom_mask = attention_mask is not None and new > 1 and _is_custom(attention_mask, total - new)
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or custom_mask or batch != 1:
+    prefill = new > ROWWISE_MAX_QUERIES
+    sliding = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if prefill or sliding or custom_mask or batch != 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
