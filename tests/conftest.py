@@ -55,5 +55,13 @@ def tiny_draft(tiny_target: HFCausalLM) -> HFCausalLM:
     return HFCausalLM(perturbed(tiny_target.model, 0.3, seed=1), name="tiny-draft")
 
 
+@pytest.fixture
+def restore_torch_threads():
+    """``--threads`` sets PyTorch's global thread count; give the rest of the session its own back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def bundled_installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None

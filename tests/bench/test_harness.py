@@ -13,7 +13,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from tests.bench.test_report import synthetic_run
 from tests.conftest import bundled_installed
@@ -48,14 +47,6 @@ COUNTS = {
     "target_forward_passes", "committed", "drafted", "accepted", "drafted_at", "accepted_at",
     "draft_seconds", "verify_seconds",
 }  # fmt: skip
-
-
-@pytest.fixture
-def restore_torch_threads():
-    """``--threads`` sets PyTorch's global thread count; give the rest of the session its own back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 # One thread: on a shared 2-core machine, two threads contending with other work run several times slower.

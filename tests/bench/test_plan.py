@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.bench.test_aggregate import counts, record
 from tests.conftest import bundled_installed
@@ -213,14 +212,6 @@ def test_cli_plan_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "forward.json").write_text(json.dumps({"schema": "something else"}))
     assert main(["bench", "plan", "--forward", str(tmp_path / "forward.json"), "--acceptance", "0.5"]) == 2
     assert "not a forward.json" in capsys.readouterr().err
-
-
-@pytest.fixture
-def restore_torch_threads():
-    """``--threads`` sets PyTorch's global thread count; give the rest of the session its own back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow
