@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import tiny_llama
 from verispec.config import DraftModelConfig, NgramConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
@@ -169,3 +170,10 @@ def test_draft_confidence_stop_drafts_less_and_stays_lossless(tiny_target, tiny_
             == full.token_ids
             == make_engine(tiny_target, None, None).generate(PROMPTS[0], max_new_tokens=40).token_ids
         )
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_target):
+    other = HFCausalLM(tiny_llama(5, vocab=64), name="other-vocab")
+    spec = SpecConfig(method="draft", num_speculative_tokens=3, draft=DraftModelConfig("other"))
+    with pytest.raises(VerispecError, match="same model family"):
+        build_proposer(spec, tiny_target, other)
