@@ -105,3 +105,20 @@ def test_int8_model_scores_a_token_identically_alone_or_beside_drafts(float_and_
     verified = after_prefill([prompt[-1], 5, 6, 7])
     for depth in range(3):
         assert torch.equal(decoded[depth], verified[depth])
+
+
+def test_int8_weights_are_cached_and_reused(tmp_path):
+    """The second start reads the int8 cache and never the float weights (zeroed here to prove it)."""
+    cache_file = tmp_path / "int8" / "tiny.safetensors"
+    first = HFCausalLM(quantize_int8_dynamic(tiny_llama(0), cache_file), name="first")
+    assert cache_file.is_file()
+    model = tiny_llama(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.zero_()
+    second = HFCausalLM(quantize_int8_dynamic(model, cache_file), name="second")
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(
+        first.forward(ids, first.new_cache()).logits, second.forward(ids, second.new_cache()).logits
+    )

@@ -8,6 +8,7 @@ norm) is returned as the hidden state for Medusa/EAGLE heads.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import time
 from pathlib import Path
@@ -142,12 +143,24 @@ def load_hf_folder(
     except (OSError, ValueError) as exc:
         raise VerispecError(f"cannot load a causal LM from {folder}: {exc}") from exc
     if quantization == "int8":
-        quantize_int8_dynamic(model)
+        quantize_int8_dynamic(model, int8_cache_file(folder))
     tokenizer = _load_tokenizer(folder) if with_tokenizer else None
     lm = HFCausalLM(model, name=name, tokenizer=tokenizer)
     lm.quantization = quantization
     lm.load_seconds = time.perf_counter() - start
     return lm
+
+
+def int8_cache_file(folder: Path) -> Path:
+    """Where the int8 weights of the model in ``folder`` are cached, keyed by the weight files'
+    paths, sizes and modification times (a changed model gets a new key)."""
+    from verispec.models.registry import cache_root
+
+    stamp = hashlib.sha256()
+    for f in sorted(folder.resolve().glob("*.safetensors")) + sorted(folder.resolve().glob("*.bin")):
+        info = f.stat()
+        stamp.update(f"{f}:{info.st_size}:{info.st_mtime_ns}".encode())
+    return cache_root() / "int8" / f"{folder.name}-{stamp.hexdigest()[:16]}.safetensors"
 
 
 def _load_tokenizer(folder: Path) -> object | None:

@@ -17,7 +17,9 @@ greedy plain output of the quantized model; the quality cost against fp32 is mea
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -72,16 +74,28 @@ class RowwiseInt8Linear(nn.Module):
     quantization (more accurate than per-tensor), batch-invariant to the bit.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, int8_weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """int8_weight: [out, in + 2] int8 (the last two columns zero); scales: [out] float32."""
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = nn.functional.pad(linear.weight.detach().float(), (0, 2))  # [out, in + 2]: zero pin weights
-        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # symmetric, per output channel
+        self.out_features, padded_in = int8_weight.shape
+        self.in_features = padded_in - 2
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        qweight = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8)
+        qweight = torch._make_per_channel_quantized_tensor(int8_weight, scales.double(), zero_points, 0)
         self._packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm layout, packed once
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+
+    @staticmethod
+    def quantize_weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """Symmetric per-output-channel int8 of ``linear``'s weight, padded with the two zero columns."""
+        weight = nn.functional.pad(linear.weight.detach().float(), (0, 2))  # [out, in + 2]
+        scales = weight.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.long)
+        int8 = torch.quantize_per_channel(weight, scales.double(), zero_points, 0, torch.qint8).int_repr()
+        return int8, scales
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> RowwiseInt8Linear:
+        return cls(*cls.quantize_weight(linear), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
         row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)  # [..., 1]
@@ -91,21 +105,42 @@ class RowwiseInt8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_int8_dynamic(model: nn.Module) -> nn.Module:
+def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> nn.Module:
     """Make ``model`` batch-invariant int8: every ``nn.Linear`` becomes a :class:`RowwiseInt8Linear`
-    and a transformers model's attention becomes :mod:`verispec.models.attention`'s."""
+    and a transformers model's attention becomes :mod:`verispec.models.attention`'s.
+
+    With ``cache_file``, the int8 weights are read from it when it exists (the float32 weights of
+    the Linears, memory-mapped by transformers, are then never read: a faster start and a lower
+    peak memory) and written to it otherwise.
+    """
+    from safetensors.torch import load_file, save_file
+
     if hasattr(model, "set_attn_implementation"):
         from verispec.models.attention import register
 
         model.set_attn_implementation(register())
     if torch.backends.quantized.engine not in ("x86", "fbgemm"):
         torch.backends.quantized.engine = "x86"
+    cached = load_file(cache_file) if cache_file is not None and cache_file.is_file() else {}
+    fresh: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
-        # torch.ao's eager quantization modules are deprecated in favour of torchao, whose CPU int8
-        # path is not faster here; the API is stable in the pinned torch 2.13.
+        # torch.ao's quantized ops are deprecated in favour of torchao, whose CPU int8 path is not
+        # faster here; the ops are stable in the pinned torch 2.13.
         warnings.simplefilter("ignore")
-        for parent in list(model.modules()):
+        for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, name, RowwiseInt8Linear(child))
+                if type(child) is not nn.Linear:
+                    continue
+                key = f"{parent_name}.{name}" if parent_name else name
+                if f"{key}.int8" in cached:
+                    int8, scales = cached[f"{key}.int8"], cached[f"{key}.scales"]
+                else:
+                    int8, scales = RowwiseInt8Linear.quantize_weight(child)
+                    fresh[f"{key}.int8"], fresh[f"{key}.scales"] = int8, scales
+                setattr(parent, name, RowwiseInt8Linear(int8, scales, child.bias))
+    if cache_file is not None and fresh and not cached:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        save_file(fresh, str(tmp))
+        tmp.replace(cache_file)
     return model
