@@ -110,13 +110,11 @@ def _speculation(counts: SpecCounts | None, seconds: float) -> dict[str, Any]:
         return dict(
             acceptance_rate=None, mean_accepted_length=None, per_position_acceptance=None, time_split=None
         )
-    passes = counts.target_forward_passes
+    stats = counts.to_stats()
     return dict(
-        acceptance_rate=counts.accepted / counts.drafted if counts.drafted else None,
-        mean_accepted_length=counts.committed / passes if passes else None,
-        per_position_acceptance=[
-            a / d if d else 0.0 for a, d in zip(counts.accepted_at, counts.drafted_at, strict=True)
-        ],
+        acceptance_rate=stats.acceptance_rate if stats.num_drafted else None,
+        mean_accepted_length=stats.mean_accepted_length if stats.num_steps else None,
+        per_position_acceptance=stats.per_position_acceptance,
         time_split={
             "draft": counts.draft_seconds,
             "verify": counts.verify_seconds,

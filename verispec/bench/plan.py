@@ -328,7 +328,7 @@ def measured_from_results(results: dict[str, Any], group: str = OVERALL) -> list
                 method=name,
                 k=0 if name == PLAIN else k_run,
                 tokens_per_second=sum(r.tokens_per_second for r in mine) / len(mine),
-                tau=counts.committed / counts.target_forward_passes,
+                tau=counts.to_stats().mean_accepted_length,
                 ms_per_step=1000 * sum(r.seconds for r in mine) / counts.target_forward_passes,
             )
         )

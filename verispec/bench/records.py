@@ -54,6 +54,20 @@ class SpecCounts:
             verify_seconds=stats.verify_seconds,
         )
 
+    def to_stats(self) -> SpecStats:
+        """The counts as :class:`SpecStats`, whose properties hold the one definition of acceptance
+        rate, mean accepted length and per-position acceptance."""
+        return SpecStats(
+            num_steps=self.target_forward_passes,
+            num_committed=self.committed,
+            num_drafted=self.drafted,
+            num_accepted=self.accepted,
+            drafted_at=list(self.drafted_at),
+            accepted_at=list(self.accepted_at),
+            draft_seconds=self.draft_seconds,
+            verify_seconds=self.verify_seconds,
+        )
+
     def __add__(self, other: SpecCounts) -> SpecCounts:
         def add_lists(a: list[int], b: list[int]) -> list[int]:
             return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
