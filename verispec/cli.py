@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS
+from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS, ModelLoadConfig
 from verispec.errors import VerispecError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -25,6 +25,26 @@ def _method(value: str) -> str | None:
     if value not in METHODS:
         raise argparse.ArgumentTypeError(f"choose one of {', '.join(METHODS)} or none")
     return value
+
+
+def add_load_flags(parser: argparse.ArgumentParser) -> None:
+    """Where and how models run (:class:`verispec.config.ModelLoadConfig`), for every command that loads."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8"],
+        help="weights: auto = int8 for float32 on CPU (the fast path), none = float weights",
+    )
+
+
+def load_config(args: argparse.Namespace) -> ModelLoadConfig:
+    """The :class:`ModelLoadConfig` of the flags added by :func:`add_load_flags`."""
+    return ModelLoadConfig(
+        device=args.device, dtype=args.dtype, threads=args.threads, quantization=args.quantization
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,15 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="stop drafting when the draft's top token is less likely than this (0 = never)",
     )
-    gen.add_argument("--device", default="cpu")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
-    gen.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8"],
-        help="weights: auto = int8 for float32 on CPU (fast path), none = float weights",
-    )
+    add_load_flags(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with text, token ids and stats"
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from verispec.bench.datasets import DATASETS
 from verispec.bench.settings import BASELINES, PLAIN
+from verispec.cli import add_load_flags, load_config
 from verispec.config import METHODS
 from verispec.errors import VerispecError
 
@@ -37,15 +38,7 @@ def _ints(value: str) -> list[int]:
 def _model_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
     parser.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
     parser.add_argument("--draft", default=None, help="draft model (same vocabulary as the target)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "none", "int8"],
-        help="weights: auto = int8 for float32 on CPU (the fast path), none = float weights",
-    )
+    add_load_flags(parser)
     parser.add_argument("--out", type=Path, default=Path("results"), help="output folder (created if needed)")
 
 
@@ -244,14 +237,6 @@ def _read_json(path: Path, made_by: str) -> dict:
         raise VerispecError(f"cannot read {path}: {exc}") from None
 
 
-def _load_config(args: argparse.Namespace):  # -> ModelLoadConfig
-    from verispec.config import ModelLoadConfig
-
-    return ModelLoadConfig(
-        device=args.device, dtype=args.dtype, threads=args.threads, quantization=args.quantization
-    )
-
-
 def _bench(args: argparse.Namespace, command: str) -> int:
     from verispec.bench.harness import run_bench
     from verispec.bench.report import table_rows, text_table, write_outputs
@@ -273,7 +258,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         data_dir=args.data_dir,
         max_new_tokens=args.max_new_tokens,
         warmup=args.warmup,
-        load=_load_config(args),
+        load=load_config(args),
     )
     run = run_bench(settings, command, out_dir=args.out, resume=args.resume)
     plots = []
@@ -308,7 +293,7 @@ def _forward(args: argparse.Namespace, command: str) -> int:
 
     if args.repeats < 1 or args.context < 1 or not args.ks or min(args.ks) < 1:
         raise VerispecError("--repeats and --context must be >= 1, and every k in --ks >= 1")
-    load = _load_config(args)
+    load = load_config(args)
     models = [("target", args.target)] + ([("draft", args.draft)] if args.draft else [])
     curves = [
         measure_curve(load_model(source, load), role, args.ks, args.context, args.repeats)
