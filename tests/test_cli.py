@@ -30,7 +30,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_generate_json_with_token_id_prompt(tiny_folders):
     target, draft = tiny_folders
     out = run_cli(
-        "generate", "--target", str(target), "--draft", str(draft), "-k", "3",
+        "generate", "--target", str(target), "--draft", str(draft), "-k", "3", "--depth-policy", "fixed",
         "--prompt", "5 17 42 8 9", "--max-new-tokens", "16", "--json", "--compare-plain",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

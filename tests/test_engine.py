@@ -21,6 +21,7 @@ def make_engine(target: HFCausalLM, draft: HFCausalLM | None, method: str | None
         num_speculative_tokens=k,
         ngram=NgramConfig(max_ngram=3, min_ngram=1),
         draft=DraftModelConfig(model="tiny" if method == "draft" else None),
+        depth="fixed",
     )
     return SpecEngine(target, build_proposer(spec, target, draft), spec, draft=draft)
 
@@ -123,7 +124,7 @@ def test_stats_account_for_every_step(tiny_target, tiny_draft):
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": -1}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 10_000}, "num_speculative_tokens"),
     ],
 )
@@ -155,7 +156,10 @@ def test_generation_stops_at_context_end(tiny_target, tiny_draft):
 def test_draft_confidence_stop_drafts_less_and_stays_lossless(tiny_target, tiny_draft, temperature):
     def engine(p_min: float) -> SpecEngine:
         spec = SpecConfig(
-            method="draft", num_speculative_tokens=6, draft=DraftModelConfig("tiny", p_min=p_min)
+            method="draft",
+            num_speculative_tokens=6,
+            draft=DraftModelConfig("tiny", p_min=p_min),
+            depth="fixed",
         )
         return SpecEngine(tiny_target, build_proposer(spec, tiny_target, tiny_draft), spec, draft=tiny_draft)
 

@@ -49,7 +49,10 @@ ALPHA = 1e-3
 def make_engine(target: HFCausalLM, draft: HFCausalLM | None, k: int) -> SpecEngine:
     method = "draft" if draft is not None else None
     spec = SpecConfig(
-        method=method, num_speculative_tokens=k, draft=DraftModelConfig(model="tiny" if draft else None)
+        method=method,
+        num_speculative_tokens=k,
+        draft=DraftModelConfig(model="tiny" if draft else None),
+        depth="fixed",
     )
     return SpecEngine(target, build_proposer(spec, target, draft), spec, draft=draft)
 

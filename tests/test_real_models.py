@@ -35,7 +35,7 @@ def smollm2():
 
 
 def engine_for(target, method, draft=None, k=4) -> SpecEngine:
-    spec = SpecConfig(method=method, num_speculative_tokens=k)
+    spec = SpecConfig(method=method, num_speculative_tokens=k, depth="fixed")
     return SpecEngine(
         target, build_proposer(spec, target, draft), spec, tokenizer=target.tokenizer, draft=draft
     )

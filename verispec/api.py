@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verispec.config import DraftModelConfig, Method, ModelLoadConfig, NgramConfig, SpecConfig
+from verispec.config import (
+    DraftModelConfig,
+    Method,
+    ModelLoadConfig,
+    NgramConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models import load_model
@@ -24,6 +31,10 @@ def load(
     ngram_max: int = 4,
     ngram_min: int = 1,
     draft_p_min: float = 0.0,
+    depth: str = "adaptive",
+    disable_by_batch_size: int | None = None,
+    max_batch_size: int = 8,
+    max_waiting: int = 64,
 ) -> SpecEngine:
     """Load a target (and a draft model when the method needs one) and return a ready engine.
 
@@ -31,6 +42,9 @@ def load(
     method means ``"draft"``. Models are registry names (``verispec models``), local Hugging Face
     folders or ``.gguf`` files. ``quantization="auto"`` runs float32 models on CPU with int8
     weights (the fast path, see :mod:`verispec.models.quant`); ``"none"`` keeps float weights.
+    ``depth`` is ``"adaptive"`` (k per sequence and step, up to ``num_speculative_tokens``, see
+    :mod:`verispec.policy`) or ``"fixed"``. ``max_batch_size`` sequences decode together and up to
+    ``max_waiting`` more queue behind them.
     """
     if method is None and draft is not None:
         method = "draft"
@@ -41,7 +55,10 @@ def load(
         num_speculative_tokens=num_speculative_tokens,
         ngram=NgramConfig(max_ngram=ngram_max, min_ngram=ngram_min),
         draft=DraftModelConfig(model=str(draft) if draft is not None else None, p_min=draft_p_min),
+        depth=depth,  # type: ignore[arg-type]
+        disable_by_batch_size=disable_by_batch_size,
     )
+    scheduler = SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting)
     load_cfg = ModelLoadConfig(
         device=device,
         dtype=dtype,  # type: ignore[arg-type]
@@ -51,4 +68,6 @@ def load(
     target_model = load_model(target, load_cfg)
     draft_model = load_model(draft, load_cfg) if method == "draft" and draft is not None else None
     proposer = build_proposer(spec, target_model, draft_model)
-    return SpecEngine(target_model, proposer, spec, tokenizer=target_model.tokenizer, draft=draft_model)
+    return SpecEngine(
+        target_model, proposer, spec, tokenizer=target_model.tokenizer, draft=draft_model, scheduler=scheduler
+    )

@@ -47,23 +47,73 @@ def load_config(args: argparse.Namespace) -> ModelLoadConfig:
     )
 
 
+def add_spec_flags(parser: argparse.ArgumentParser) -> None:
+    """What to speculate with and how deep (:class:`verispec.config.SpecConfig`); for every command
+    that builds an engine."""
+    parser.add_argument("--draft", default=None, help="draft model for --method draft (same vocabulary)")
+    parser.add_argument(
+        "--method", type=_method, default=None, help="draft | ngram | none (default: draft if --draft)"
+    )
+    parser.add_argument(
+        "-k",
+        "--num-speculative-tokens",
+        type=int,
+        default=5,
+        help=f"most draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS}",
+    )
+    parser.add_argument(
+        "--depth-policy",
+        default="adaptive",
+        choices=["adaptive", "fixed"],
+        help="adaptive: k per sequence and step from measured costs and acceptance (up to -k); "
+        "fixed: always -k",
+    )
+    parser.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no speculation while N or more sequences decode together",
+    )
+    parser.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --method ngram")
+    parser.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --method ngram")
+    parser.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=0.0,
+        help="stop drafting when the draft's top token is less likely than this (0 = never)",
+    )
+
+
+def load_engine(args: argparse.Namespace, **scheduler: int) -> Any:
+    """Load the models named by :func:`add_spec_flags` and :func:`add_load_flags` into an engine."""
+    import verispec
+
+    return verispec.load(
+        args.target,
+        draft=args.draft,
+        method=args.method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        depth=args.depth_policy,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        quantization=args.quantization,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
+        draft_p_min=args.draft_p_min,
+        **scheduler,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verispec", description="Exact speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, speculatively")
     gen.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
-    gen.add_argument("--draft", default=None, help="draft model for --method draft (same vocabulary)")
-    gen.add_argument(
-        "--method", type=_method, default=None, help="draft | ngram | none (default: draft if --draft)"
-    )
-    gen.add_argument(
-        "-k",
-        "--num-speculative-tokens",
-        type=int,
-        default=5,
-        help=f"draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS}",
-    )
+    add_spec_flags(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     gen.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message via the chat template"
@@ -75,14 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = disabled")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --method ngram")
-    gen.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --method ngram")
-    gen.add_argument(
-        "--draft-p-min",
-        type=float,
-        default=0.0,
-        help="stop drafting when the draft's top token is less likely than this (0 = never)",
-    )
     add_load_flags(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with text, token ids and stats"
@@ -145,7 +187,6 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import verispec
     from verispec.config import SamplingConfig
 
     # Validate every cheap setting before spending a minute loading models.
@@ -155,19 +196,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise VerispecError("the prompt is empty")
-    engine = verispec.load(
-        args.target,
-        draft=args.draft,
-        method=args.method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        quantization=args.quantization,
-        ngram_max=args.ngram_max,
-        ngram_min=args.ngram_min,
-        draft_p_min=args.draft_p_min,
-    )
+    engine = load_engine(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}

@@ -17,6 +17,8 @@ Method = Literal["draft", "ngram"]
 
 METHODS: tuple[str, ...] = ("draft", "ngram")
 
+DepthPolicyName = Literal["adaptive", "fixed"]
+
 MAX_SPECULATIVE_TOKENS = 64
 """Upper bound on k: beyond this a draft is all but certain to be rejected and only wastes compute."""
 
@@ -89,8 +91,18 @@ class SpecConfig:
     """k: draft tokens proposed per step (the maximum, once a depth policy exists)."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)
+    depth: DepthPolicyName = "adaptive"
+    """'adaptive': k per sequence and step from measured costs and the sequence's acceptance, up to
+    num_speculative_tokens (see verispec.policy); 'fixed': always num_speculative_tokens."""
+    disable_by_batch_size: int | None = None
+    """Speculate only while fewer than this many sequences decode together (vLLM's
+    --speculative-disable-by-batch-size); None never disables."""
 
     def __post_init__(self) -> None:
+        if self.depth not in ("adaptive", "fixed"):
+            raise VerispecError(f"depth policy must be adaptive or fixed, got {self.depth!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise VerispecError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.method is not None and self.method not in METHODS:
             raise VerispecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)} or none")
         if not (1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
@@ -120,3 +132,21 @@ class ModelLoadConfig:
             raise VerispecError(f"quantization must be auto, none or int8, got {self.quantization!r}")
         if self.threads is not None and self.threads < 1:
             raise VerispecError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How many sequences decode together and how many may wait behind them."""
+
+    max_batch_size: int = 8
+    """Sequences decoding together; more requests wait in the queue."""
+    max_waiting: int = 64
+    """Requests allowed to wait; beyond it a request is refused (HTTP 429 with Retry-After)."""
+    prefill_chunk: int = 512
+    """Prompt tokens fed per step: a long prompt is prefilled over several steps, so the running
+    sequences keep producing tokens meanwhile."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_waiting", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,53 +1,122 @@
-"""The decoding step: propose -> verify -> commit or roll back -> record stats.
+"""The engine: many sequences decoding together, each speculating as deep as the policy says.
 
-Invariant of a sequence between steps: the target's KV cache holds every committed token but the
-last one, which is fed at the next step together with that step's draft tokens. One target forward
-over ``[pending..., d_1 .. d_k]`` yields the k+1 distributions the verifier needs; after it the
-cache is trimmed back to the accepted prefix, and the token the target added (recovered or bonus)
-becomes the next pending token. Plain decoding is the same step with k = 0, so comparisons are fair.
+One :meth:`SpecEngine.step`:
+
+1. admit waiting requests while fewer than ``max_batch_size`` are running (continuous batching:
+   sequences join and leave between steps);
+2. prefill: each new sequence feeds all its prompt tokens but the last, in chunks whose boundaries
+   depend on the prompt alone, within a per-step token budget;
+3. decode: the depth policy picks k per sequence from what is known before verification; the
+   proposer drafts for every sequence (one batched pass for a draft model); one batched target
+   forward scores every row's ``[pending, d_1 .. d_k]``; each row is verified on its own, its cache
+   trimmed back to the accepted prefix, and its tokens emitted.
+
+Invariant of a sequence between steps: its target cache holds every committed token but the last,
+which is fed at the next step with that step's drafts. Plain decoding is a step with k = 0 through
+the same path, so comparisons are fair and a batch of plain and speculating sequences mixes freely.
+A row's result never depends on the other rows (see :mod:`verispec.models.attention`), so greedy
+output is the same alone or in a batch, speculating or not.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from itertools import count
 from typing import Any
 
 import torch
 
-from verispec.config import SamplingConfig, SpecConfig
+from verispec.config import MAX_SPECULATIVE_TOKENS, SamplingConfig, SchedulerConfig, SpecConfig
+from verispec.costs import StepCostModel, load_or_measure
 from verispec.detok import IncrementalDetokenizer
-from verispec.errors import VerispecError
+from verispec.errors import QueueFullError, VerispecError
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
+from verispec.policy import AcceptanceEstimate, AcceptancePrior, DepthPolicy, DepthQuery, make_policy
 from verispec.proposers.base import Proposer
 from verispec.sampling import make_generator
-from verispec.types import Draft, FinishReason, Generation, TokenEvent, VerifyResult
+from verispec.types import Draft, FinishReason, Generation, TokenEvent
 from verispec.verify import verify
 
-Prompt = str | Sequence[int]
+Prompt = str | Seq[int]
+_ids = count()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, validated (see :meth:`SpecEngine.make_request`)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    num_speculative_tokens: int = 0
+    """Most draft tokens per step for this request; 0 turns speculation off for it."""
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
 
 @dataclass
-class SequenceState:
-    """Everything that belongs to one sequence being decoded."""
+class SeqState:
+    """Everything that belongs to one running sequence."""
 
+    request: Request
     token_ids: list[int]  # committed tokens, prompt included
-    prompt_len: int
     cache: KVCache
-    sampling: SamplingConfig
     generator: torch.Generator
+    detok: IncrementalDetokenizer | None
+    budget: int  # tokens it may generate
+    acceptance: AcceptanceEstimate
+    admitted_at: float
     proposer_state: Any = None
     stats: SpecStats = field(default_factory=SpecStats)
+    steps: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
 
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
 
+    @property
+    def prefilled(self) -> bool:
+        return self.cache.length >= len(self.token_ids) - 1
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: new tokens, or an error that ended it."""
+
+    request_id: str
+    events: list[TokenEvent] = field(default_factory=list)
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One decode step, for metrics: batch size, per-sequence depth and outcome, and timings."""
+
+    batch_size: int
+    drafted: list[int]
+    accepted: list[int]
+    draft_seconds: float
+    target_seconds: float
+    waiting: int
+
 
 class SpecEngine:
-    """Speculative decoding of one sequence at a time over a target model and an optional proposer."""
+    """Speculative decoding of a batch of sequences over a target model and an optional proposer.
+
+    Synchronous and single-threaded: :meth:`add` and :meth:`step` drive it (the server runs
+    :meth:`step` in a loop on its own thread); :meth:`generate`, :meth:`stream` and
+    :meth:`generate_batch` are conveniences over them.
+    """
 
     def __init__(
         self,
@@ -56,45 +125,339 @@ class SpecEngine:
         spec: SpecConfig,
         tokenizer: Any | None = None,
         draft: CausalLM | None = None,
+        scheduler: SchedulerConfig | None = None,
+        costs: StepCostModel | None = None,
     ) -> None:
         self.target = target
         self.proposer = proposer
         self.spec = spec
         self.tokenizer = tokenizer
         self.draft = draft
+        self.scheduler = scheduler or SchedulerConfig()
+        self._costs = costs
+        self._policy: DepthPolicy | None = None
+        self.prior = AcceptancePrior()
+        self.waiting: deque[SeqState] = deque()
+        self.running: list[SeqState] = []
+        self._by_id: dict[str, SeqState] = {}
+        self.step_observers: list[Any] = []
+        """Callables given every :class:`StepReport` (the server's metrics)."""
 
-    # ----------------------------------------------------------------- public API
+    # ----------------------------------------------------------------- requests
+
+    def make_request(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Seq[str] = (),
+        num_speculative_tokens: int | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate a request; raises :class:`VerispecError` with a message fit for the user.
+
+        ``num_speculative_tokens``: None takes the engine's k, 0 turns speculation off, and a value
+        above the engine's k is cut to it.
+        """
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if max_new_tokens < 1:
+            raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = self.encode(prompt)
+        if len(prompt_ids) >= self.target.max_context:
+            raise VerispecError(
+                f"the prompt has {len(prompt_ids)} tokens but {self.target.name} has a context of "
+                f"{self.target.max_context}; shorten the prompt"
+            )
+        if stop and self.tokenizer is None:
+            raise VerispecError("stop strings need a tokenizer; this model folder has none")
+        k = self.spec.num_speculative_tokens
+        if num_speculative_tokens is not None:
+            if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise VerispecError(
+                    f"num_speculative_tokens must be between 0 (no speculation) and "
+                    f"{MAX_SPECULATIVE_TOKENS}, got {num_speculative_tokens}"
+                )
+            k = min(k, num_speculative_tokens)
+        if self.proposer is None:
+            k = 0
+        extra = {"request_id": request_id} if request_id is not None else {}
+        return Request(prompt_ids, sampling, max_new_tokens, tuple(stop), k, **extra)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises :class:`QueueFullError` when ``max_waiting`` are already queued."""
+        if request.request_id in self._by_id:
+            raise VerispecError(f"request id {request.request_id!r} is already in use")
+        if len(self.waiting) >= self.scheduler.max_waiting:
+            raise QueueFullError(
+                f"{len(self.waiting)} requests are waiting (the limit); retry shortly", self.retry_after()
+            )
+        seq = SeqState(
+            request=request,
+            token_ids=list(request.prompt_ids),
+            cache=self.target.new_cache(),
+            generator=make_generator(request.sampling.seed, self.target.device),
+            detok=IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop)
+            if self.tokenizer
+            else None,
+            budget=min(request.max_new_tokens, self.target.max_context - len(request.prompt_ids)),
+            acceptance=AcceptanceEstimate(self.prior),
+            admitted_at=time.perf_counter(),
+        )
+        seq.stats.prompt_tokens = len(request.prompt_ids)
+        self.waiting.append(seq)
+        self._by_id[request.request_id] = seq
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request (its client went away); frees its cache. False if it is not here."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def retry_after(self) -> int:
+        """Seconds a rejected client should wait: about the time for one running request to finish."""
+        return max(1, min(60, len(self.waiting) // max(1, self.scheduler.max_batch_size) + 1))
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, prefill and decode once; returns what each touched request produced."""
+        while self.waiting and len(self.running) < self.scheduler.max_batch_size:
+            seq = self.waiting.popleft()
+            if self.proposer is not None:
+                seq.proposer_state = self.proposer.new_state(seq.request.prompt_ids, seq.request.sampling)
+            self.running.append(seq)
+        outputs: list[RequestOutput] = []
+        self._prefill(outputs)
+        ready = [s for s in self.running if s.prefilled]
+        if ready:
+            outputs.extend(self._guarded(ready, self._decode))
+        return outputs
+
+    def _prefill(self, outputs: list[RequestOutput]) -> None:
+        """Feed prompt chunks (boundaries at multiples of ``prefill_chunk``) within the step's budget."""
+        chunk = self.scheduler.prefill_chunk
+        budget = chunk
+        for seq in [s for s in self.running if not s.prefilled]:
+            if budget <= 0:
+                break
+            start = seq.cache.length
+            end = min(len(seq.token_ids) - 1, (start // chunk + 1) * chunk)
+
+            def run(seqs: list[SeqState], start: int = start, end: int = end) -> list[RequestOutput]:
+                self.target.forward_batch([seqs[0].cache], [seqs[0].token_ids[start:end]], logits_to_keep=[1])
+                return []
+
+            outputs.extend(self._guarded([seq], run))
+            budget -= end - start
+
+    def _guarded(self, seqs: list[SeqState], work: Any) -> list[RequestOutput]:
+        """Run ``work(seqs)``; if it fails, end those requests with the error and keep serving."""
+        try:
+            return work(seqs)
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, VerispecError) else f"internal error: {exc!r}"
+            for seq in seqs:
+                self._release(seq)
+            return [RequestOutput(s.request.request_id, finished=True, error=message) for s in seqs]
+
+    def _decode(self, seqs: list[SeqState]) -> list[RequestOutput]:
+        if self.proposer is not None:
+            _ = self.policy  # built (costs measured or loaded) outside the step's timings
+        t0 = time.perf_counter()
+        ks = self._depths(seqs)
+        drafts = self._propose(seqs, ks)
+        t1 = time.perf_counter()
+        rows = [s.token_ids[s.cache.length :] + d.tokens.tolist() for s, d in zip(seqs, drafts, strict=True)]
+        out = self.target.forward_batch(
+            [s.cache for s in seqs], rows, logits_to_keep=[d.k + 1 for d in drafts]
+        )
+        t2 = time.perf_counter()
+        outputs = []
+        accepted = []
+        for seq, draft, logits in zip(seqs, drafts, out.logits, strict=True):
+            result = verify(draft, logits, seq.request.sampling, seq.generator)
+            seq.cache.trim(draft.k - result.num_accepted)
+            seq.stats.observe(draft.k, result.num_accepted)
+            if draft.k:
+                seq.acceptance.observe(draft.k, result.num_accepted)
+                self.prior.observe(draft.k, result.num_accepted)
+            elif seq.request.num_speculative_tokens:
+                seq.acceptance.relax()
+            accepted.append(result.num_accepted)
+            outputs.append(self._commit(seq, result.tokens, result.num_accepted))
+        t3 = time.perf_counter()
+        for seq in seqs:
+            seq.stats.draft_seconds += t1 - t0
+            seq.stats.verify_seconds += t3 - t1
+        self._report(seqs, drafts, accepted, t1 - t0, t2 - t1)
+        return outputs
+
+    def _depths(self, seqs: list[SeqState]) -> list[int]:
+        caps = [min(s.request.num_speculative_tokens, s.budget - s.num_generated - 1) for s in seqs]
+        if self.proposer is None or not any(caps):
+            return [0] * len(seqs)
+        queries = [
+            DepthQuery(cap=c, survival=s.acceptance.survival(c)) for s, c in zip(seqs, caps, strict=True)
+        ]
+        return self.policy.choose(queries)
+
+    def _propose(self, seqs: list[SeqState], ks: list[int]) -> list[Draft]:
+        drafts = [Draft.empty()] * len(seqs)
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if self.proposer is None or not active:
+            return drafts
+        proposed = self.proposer.propose_batch(
+            [seqs[i].proposer_state for i in active],
+            [seqs[i].token_ids for i in active],
+            [ks[i] for i in active],
+        )
+        for i, draft in zip(active, proposed, strict=True):
+            if draft.k > ks[i]:
+                raise RuntimeError(
+                    f"proposer returned {draft.k} draft tokens, more than the {ks[i]} asked for"
+                )
+            drafts[i] = draft
+        return drafts
+
+    def _commit(self, seq: SeqState, tokens: list[int], num_accepted: int) -> RequestOutput:
+        """Append the step's tokens one at a time (EOS, a stop string or the length limit can cut the
+        step short), emit their events, and tell the proposer what was kept."""
+        output = RequestOutput(seq.request.request_id)
+        eos_ids = self.target.eos_token_ids
+        finish: FinishReason | None = None
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            seq.stats.num_output_tokens += 1
+            text = seq.detok.add(token) if seq.detok else ""
+            if token in eos_ids:
+                finish = "eos"
+            elif seq.detok and seq.detok.stopped:
+                finish = "stop"
+            elif seq.num_generated >= seq.budget:
+                finish = "length"
+            if finish is not None and seq.detok:
+                text += seq.detok.flush()
+            seq.stats.total_seconds = time.perf_counter() - seq.admitted_at
+            output.events.append(
+                TokenEvent(
+                    token_id=token,
+                    text=text,
+                    from_draft=i < num_accepted,
+                    logprob=None,
+                    step=seq.steps,
+                    finish_reason=finish,
+                    stats=seq.stats if finish is not None else None,
+                )
+            )
+            if finish is not None:
+                break
+        seq.steps += 1
+        if finish is not None:
+            output.finished = True
+            self._release(seq)
+        elif self.proposer is not None and seq.proposer_state is not None:
+            self.proposer.update(seq.proposer_state, seq.token_ids, num_accepted)
+        return output
+
+    def _release(self, seq: SeqState) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._by_id.pop(seq.request.request_id, None)
+        if self.proposer is not None and seq.proposer_state is not None:
+            self.proposer.release(seq.proposer_state)
+            seq.proposer_state = None
+        seq.cache = self.target.new_cache()  # drop the KV memory now, not when the caller lets go
+
+    def _report(
+        self, seqs: list[SeqState], drafts: list[Draft], accepted: list[int], draft_s: float, target_s: float
+    ) -> None:
+        drafted = [d.k for d in drafts]
+        if self._policy is not None and self._costs is not None:
+            self._costs.observe_target(sum(drafted) + len(seqs), target_s)
+            levels = [sum(1 for k in drafted if k > j) for j in range(max(drafted, default=0))]
+            if levels and self.draft is not None:
+                self._costs.observe_draft(levels, draft_s)
+        report = StepReport(len(seqs), drafted, accepted, draft_s, target_s, len(self.waiting))
+        for observer in self.step_observers:
+            observer(report)
+
+    @property
+    def policy(self) -> DepthPolicy:
+        """The depth policy, built on first use (the adaptive one measures costs, or loads them)."""
+        if self._policy is None:
+            if self.spec.depth == "adaptive" and self._costs is None:
+                from verispec.models.registry import cache_root
+
+                self._costs = load_or_measure(self.target, self.draft, cache_root() / "costs")
+            self._policy = make_policy(self.spec.depth, self._costs, self.spec.disable_by_batch_size)
+        return self._policy
+
+    @property
+    def costs(self) -> StepCostModel | None:
+        return self._costs
+
+    # ----------------------------------------------------------------- conveniences
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Generation:
-        """Generate to completion; see :meth:`stream` for the arguments."""
-        events: list[TokenEvent] = []
-        stream = self._run(prompt, **kwargs)
-        try:
-            while True:
-                events.append(next(stream))
-        except StopIteration as stop:
-            seq, finish = stop.value
-        return Generation(
-            token_ids=seq.token_ids[seq.prompt_len :],
-            text="".join(e.text for e in events),
-            finish_reason=finish,
-            stats=seq.stats,
-            prompt_token_ids=seq.token_ids[: seq.prompt_len],
-            events=events,
-        )
+        """Generate to completion; see :meth:`make_request` for the arguments."""
+        return self.generate_batch([prompt], **kwargs)[0]
+
+    def generate_batch(self, prompts: Seq[Prompt], **kwargs: Any) -> list[Generation]:
+        """Generate for several prompts decoding together in batches (same settings for each)."""
+        requests = [self.make_request(p, **kwargs) for p in prompts]
+        events: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
+        for out in self._drive(requests):
+            events[out.request_id].extend(out.events)
+        return [_generation(r, events[r.request_id]) for r in requests]
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[TokenEvent]:
         """Yield one :class:`TokenEvent` per generated token as soon as it is committed.
 
-        Arguments: ``max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=()``
-        and ``num_speculative_tokens`` (defaults to the engine's). ``prompt`` is a string (needs a
-        tokenizer) or a list of token ids. The last event carries the ``finish_reason``.
+        Arguments as :meth:`make_request`. The last event carries the ``finish_reason`` and stats.
         """
-        yield from self._run(prompt, **kwargs)
+        for out in self._drive([self.make_request(prompt, **kwargs)]):
+            yield from out.events
+
+    def _drive(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        """Run the step loop until ``requests`` finish; their outputs in order, errors raised."""
+        pending = {r.request_id for r in requests}
+        queued = list(requests)
+        try:
+            while pending:
+                while queued and len(self.waiting) < self.scheduler.max_waiting:
+                    self.add(queued.pop(0))
+                for out in self.step():
+                    if out.request_id not in pending:
+                        continue
+                    if out.error is not None:
+                        raise VerispecError(out.error)
+                    yield out
+                    if out.finished:
+                        pending.discard(out.request_id)
+        finally:
+            for request_id in pending:
+                self.abort(request_id)
 
     def plain_engine(self) -> SpecEngine:
         """The same target without speculation, for fair side-by-side measurements."""
-        return SpecEngine(self.target, None, replace(self.spec, method=None), tokenizer=self.tokenizer)
+        return SpecEngine(
+            self.target,
+            None,
+            replace(self.spec, method=None),
+            tokenizer=self.tokenizer,
+            scheduler=self.scheduler,
+        )
 
     def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> Generation:
         """Generate a reply to chat ``messages`` through the model's chat template."""
@@ -129,129 +492,15 @@ class SpecEngine:
             )
         return self.tokenizer
 
-    # ----------------------------------------------------------------- the loop
 
-    def _run(
-        self,
-        prompt: Prompt,
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-        num_speculative_tokens: int | None = None,
-    ) -> Iterator[TokenEvent]:
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if max_new_tokens < 1:
-            raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        k_max = self.spec.num_speculative_tokens
-        if num_speculative_tokens is not None:
-            k_max = replace(self.spec, num_speculative_tokens=num_speculative_tokens).num_speculative_tokens
-        prompt_ids = self.encode(prompt)
-        if len(prompt_ids) >= self.target.max_context:
-            raise VerispecError(
-                f"the prompt has {len(prompt_ids)} tokens but {self.target.name} has a context of "
-                f"{self.target.max_context}; shorten the prompt"
-            )
-        if stop and self.tokenizer is None:
-            raise VerispecError("stop strings need a tokenizer; this model folder has none")
-        seq = self._start(prompt_ids, sampling)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop) if self.tokenizer else None
-        budget = min(max_new_tokens, self.target.max_context - len(prompt_ids))
-        eos_ids = self.target.eos_token_ids
-        started = time.perf_counter()
-        finish: FinishReason | None = None
-        step = 0
-        try:
-            while finish is None:
-                room = budget - seq.num_generated
-                result = self._step(seq, min(k_max, room - 1) if self.proposer is not None else 0)
-                for i, token in enumerate(result.tokens):
-                    seq.token_ids.append(token)
-                    seq.stats.num_output_tokens += 1
-                    text = detok.add(token) if detok else ""
-                    if token in eos_ids:
-                        finish = "eos"
-                    elif detok and detok.stopped:
-                        finish = "stop"
-                    elif seq.num_generated >= budget:
-                        finish = "length"
-                    if finish is not None and detok:
-                        text += detok.flush()
-                    seq.stats.total_seconds = time.perf_counter() - started
-                    yield TokenEvent(
-                        token_id=token,
-                        text=text,
-                        from_draft=i < result.num_accepted,
-                        logprob=None,
-                        step=step,
-                        finish_reason=finish,
-                        stats=seq.stats if finish is not None else None,
-                    )
-                    if finish is not None:
-                        break
-                step += 1
-        finally:
-            seq.stats.total_seconds = time.perf_counter() - started
-            if self.proposer is not None:
-                self.proposer.release(seq.proposer_state)
-        return seq, finish
-
-    def _start(self, prompt_ids: list[int], sampling: SamplingConfig) -> SequenceState:
-        seq = SequenceState(
-            token_ids=list(prompt_ids),
-            prompt_len=len(prompt_ids),
-            cache=self.target.new_cache(),
-            sampling=sampling,
-            generator=make_generator(sampling.seed, self.target.device),
-        )
-        seq.stats.prompt_tokens = len(prompt_ids)
-        if self.proposer is not None:
-            seq.proposer_state = self.proposer.new_state(prompt_ids, sampling)
-        return seq
-
-    def _step(self, seq: SequenceState, k: int) -> VerifyResult:
-        """One step: propose up to k tokens, score them with one target forward, verify, commit."""
-        t0 = time.perf_counter()
-        draft = self._propose(seq, k)
-        t1 = time.perf_counter()
-        target_logits = self._score(seq, draft)  # [k+1, V]
-        result = verify(draft, target_logits, seq.sampling, seq.generator)
-        self._commit(seq, draft, result)
-        t2 = time.perf_counter()
-        seq.stats.draft_seconds += t1 - t0
-        seq.stats.verify_seconds += t2 - t1
-        seq.stats.observe(draft.k, result.num_accepted)
-        return result
-
-    def _propose(self, seq: SequenceState, k: int) -> Draft:
-        if self.proposer is None or k < 1:
-            return Draft.empty()
-        draft = self.proposer.propose(seq.proposer_state, seq.token_ids, k)
-        if draft.k > k:
-            raise RuntimeError(f"proposer returned {draft.k} draft tokens, more than the {k} asked for")
-        return draft
-
-    def _score(self, seq: SequenceState, draft: Draft) -> torch.Tensor:
-        """Target logits at the k+1 positions that judge the draft: [k+1, V]."""
-        if seq.cache.length == 0 and len(seq.token_ids) > 1:
-            # Prefill all prompt tokens but the last on their own, whatever the draft: the prompt is
-            # then processed by the same call with or without speculation, and only the short
-            # decode/verify calls need batch-invariant kernels (see verispec.models.attention).
-            self.target.forward(torch.tensor([seq.token_ids[:-1]]), seq.cache)
-        pending = seq.token_ids[seq.cache.length :]
-        input_ids = torch.tensor([pending + draft.tokens.tolist()], dtype=torch.long)  # [1, P + k]
-        out = self.target.forward(input_ids, seq.cache, logits_to_keep=draft.k + 1)
-        return out.logits[0]
-
-    def _commit(self, seq: SequenceState, draft: Draft, result: VerifyResult) -> None:
-        """Roll the target cache back to the accepted prefix and tell the proposer what was kept.
-
-        The committed tokens themselves are appended by the caller, one at a time, so that EOS,
-        stop strings and the length limit can cut a step short.
-        """
-        seq.cache.trim(draft.k - result.num_accepted)
-        if self.proposer is not None:
-            self.proposer.update(seq.proposer_state, seq.token_ids + result.tokens, result.num_accepted)
+def _generation(request: Request, events: list[TokenEvent]) -> Generation:
+    last = events[-1]
+    assert last.finish_reason is not None and last.stats is not None
+    return Generation(
+        token_ids=[e.token_id for e in events],
+        text="".join(e.text for e in events),
+        finish_reason=last.finish_reason,
+        stats=last.stats,
+        prompt_token_ids=list(request.prompt_ids),
+        events=events,
+    )

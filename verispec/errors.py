@@ -16,3 +16,11 @@ class ModelNotInstalledError(VerispecError):
 
 class ChecksumError(VerispecError):
     """A model file does not have the expected sha256 (truncated or corrupt download)."""
+
+
+class QueueFullError(VerispecError):
+    """The engine's queue is full; the server answers 429 with ``Retry-After: retry_after``."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -85,6 +85,7 @@ def engine_contenders(
             num_speculative_tokens=settings.num_speculative_tokens,
             ngram=settings.ngram,
             draft=DraftModelConfig(model=settings.draft if method == "draft" else None),
+            depth="fixed",  # the bench measures each method at the k it is given
         )
         own_draft = draft if method == "draft" else None
         proposer = build_proposer(spec, target, own_draft)

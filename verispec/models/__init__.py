@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from verispec.config import ModelLoadConfig
-from verispec.models.base import CausalLM, ForwardOutput, KVCache
+from verispec.models.base import BatchOutput, CausalLM, ForwardOutput, KVCache
 from verispec.models.hf import HFCausalLM, load_hf_folder
 
-__all__ = ["CausalLM", "ForwardOutput", "HFCausalLM", "KVCache", "load_model"]
+__all__ = ["BatchOutput", "CausalLM", "ForwardOutput", "HFCausalLM", "KVCache", "load_model"]
 
 
 def load_model(source: str | Path, cfg: ModelLoadConfig | None = None) -> HFCausalLM:

@@ -2,7 +2,8 @@
 
 A model runs a forward pass over *new* tokens on top of a KV cache and returns logits for the last
 few positions (and, on request, the last layer's hidden states, which Medusa/EAGLE heads read).
-Rolling back rejected draft tokens is one call on the cache: ``cache.trim(n)``.
+Rolling back rejected draft tokens is one call on the cache: ``cache.trim(n)``. A batched forward
+runs many sequences, each with its own cache and length, in one pass.
 
 Shapes: ``B`` batch, ``S`` new tokens this call, ``T`` tokens in the cache before the call, ``V``
 vocabulary, ``H`` hidden size.
@@ -10,6 +11,7 @@ vocabulary, ``H`` hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -18,26 +20,32 @@ import torch
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, keep, V] float32: predictions for the token after each kept position
-    hidden: torch.Tensor | None = None  # [B, keep, H] last layer's hidden states (after final norm)
+    logits: torch.Tensor  # [1, keep, V] float32: predictions for the token after each kept position
+    hidden: torch.Tensor | None = None  # [1, keep, H] last layer's hidden states (after final norm)
+
+
+@dataclass
+class BatchOutput:
+    logits: list[torch.Tensor]  # per row [keep_b, V] float32
+    hidden: list[torch.Tensor] | None = None  # per row [keep_b, H]
 
 
 @runtime_checkable
 class KVCache(Protocol):
-    """Keys and values of the tokens a model has seen, trimmable from the end."""
+    """Keys and values of the tokens one sequence has seen, trimmable from the end."""
 
     @property
     def length(self) -> int:
-        """Number of token positions held (the same for every sequence in the batch for now)."""
+        """Number of token positions held."""
         ...
 
     def trim(self, n: int) -> None:
-        """Drop the last ``n`` positions (rejected draft tokens). Raises if the cache can't be trimmed."""
+        """Drop the last ``n`` positions (rejected draft tokens). Raises if ``n`` exceeds the length."""
         ...
 
 
 class CausalLM(Protocol):
-    """A decoder-only language model behind a KV cache."""
+    """A decoder-only language model behind per-sequence KV caches."""
 
     name: str
     vocab_size: int  # V: width of the logits
@@ -47,16 +55,30 @@ class CausalLM(Protocol):
     eos_token_ids: frozenset[int]
 
     def new_cache(self) -> KVCache:
-        """An empty cache for one sequence (or a batch that advances together)."""
+        """An empty cache for one sequence."""
         ...
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [B, S] int64, the new tokens
+        input_ids: torch.Tensor,  # [1, S] int64, the new tokens
         cache: KVCache,  # holds T positions; holds T + S afterwards
         *,
         logits_to_keep: int = 1,  # logits only for the last this-many positions (all if 0)
         return_hidden: bool = False,
-        position_ids: torch.Tensor | None = None,  # [B, S]; default T .. T+S-1 (trees override it)
-        attention_mask: torch.Tensor | None = None,  # [B, 1, S, T+S] bool, True = may attend (trees)
-    ) -> ForwardOutput: ...
+    ) -> ForwardOutput:
+        """One sequence; the same computation as a one-row :meth:`forward_batch`."""
+        ...
+
+    def forward_batch(
+        self,
+        caches: Sequence[KVCache],  # one per row, each with its own length
+        tokens: Sequence[Sequence[int]],  # row b's new tokens (rows may differ in length)
+        *,
+        logits_to_keep: Sequence[int],  # per row, logits for its last this-many new tokens
+        return_hidden: bool = False,
+        positions: Sequence[Sequence[int]] | None = None,  # per row; default T_b .. (trees override)
+        tree_masks: Sequence[torch.Tensor | None] | None = None,  # per row [S_b, S_b] bool (trees)
+    ) -> BatchOutput:
+        """Many sequences in one pass. A row's result does not depend on the other rows: batching
+        is invisible in the output, to the bit on the batch-invariant paths."""
+        ...

@@ -11,45 +11,20 @@ from __future__ import annotations
 import hashlib
 import inspect
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
-from verispec.models.base import ForwardOutput
+from verispec.models.attention import register as register_attention
+from verispec.models.base import BatchOutput, ForwardOutput
+from verispec.models.kv import KVBuffer, RowBatch
 from verispec.models.quant import quantize_int8_dynamic, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class HFKVCache:
-    """A transformers ``DynamicCache`` with an explicit length and a one-call rollback."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.inner = DynamicCache(config=model.config)
-        # Sliding-window layers drop old positions; recording lets them roll back past the window.
-        self.inner.activate_past_recording()
-        self._length = 0
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def advance(self, n: int) -> None:
-        self._length += n
-
-    def trim(self, n: int) -> None:
-        """Drop the last ``n`` positions (rejected draft tokens)."""
-        if n < 0 or n > self._length:
-            raise ValueError(f"cannot trim {n} positions from a cache of {self._length}")
-        if n == 0:
-            return
-        if not self.inner.is_croppable:
-            raise VerispecError("this model's KV cache cannot be rolled back, so it cannot verify drafts")
-        self.inner.crop(-n)
-        self._length -= n
 
 
 class HFCausalLM:
@@ -57,6 +32,9 @@ class HFCausalLM:
 
     def __init__(self, model: PreTrainedModel, name: str, tokenizer: object | None = None) -> None:
         self.model = model.eval()
+        # The engine's KV buffers are read by verispec's own attention (see verispec.models.attention).
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(register_attention())
         self.name = name
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -76,41 +54,90 @@ class HFCausalLM:
         self.load_seconds = 0.0
         self.quantization = "none"
 
-    def new_cache(self) -> HFKVCache:
-        return HFKVCache(self.model)
+    def new_cache(self) -> KVBuffer:
+        return KVBuffer()
 
-    @torch.inference_mode()
     def forward(
         self,
-        input_ids: torch.Tensor,  # [B, S]
-        cache: HFKVCache,  # T positions before, T + S after
+        input_ids: torch.Tensor,  # [1, S]
+        cache: KVBuffer,  # T positions before, T + S after
         *,
         logits_to_keep: int = 1,
         return_hidden: bool = False,
-        position_ids: torch.Tensor | None = None,  # [B, S]
-        attention_mask: torch.Tensor | None = None,  # [B, 1, S, T+S] bool
     ) -> ForwardOutput:
-        seq_len = input_ids.shape[1]
-        if cache.length + seq_len > self.max_context:
-            raise VerispecError(
-                f"{self.name}: {cache.length + seq_len} tokens exceed the model's context "
-                f"of {self.max_context}"
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(
+                f"forward takes one sequence [1, S]; use forward_batch for more, got {input_ids.shape}"
             )
-        kwargs: dict[str, object] = {}
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids.to(self.device)
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask.to(self.device)
-        kwargs[self._cache_kwarg] = cache.inner
-        out = self.decoder(input_ids=input_ids.to(self.device), use_cache=True, **kwargs)
-        cache.advance(seq_len)
+        keep = logits_to_keep or input_ids.shape[1]
+        out = self.forward_batch(
+            [cache], [input_ids[0].tolist()], logits_to_keep=[keep], return_hidden=return_hidden
+        )
+        hidden = out.hidden[0].unsqueeze(0) if out.hidden is not None else None
+        return ForwardOutput(logits=out.logits[0].unsqueeze(0), hidden=hidden)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        caches: Sequence[KVBuffer],
+        tokens: Sequence[Sequence[int]],
+        *,
+        logits_to_keep: Sequence[int],
+        return_hidden: bool = False,
+        positions: Sequence[Sequence[int]] | None = None,
+        tree_masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> BatchOutput:
+        """One decoder pass over several sequences, each appending its own tokens to its own cache.
+
+        Row b's logits are for its last ``logits_to_keep[b]`` new tokens. ``positions`` overrides
+        the default positions (cache length onwards), as token trees do; ``tree_masks`` gives each
+        row's attention among its new tokens (see :class:`RowBatch`).
+        """
+        if not tokens or any(len(t) == 0 for t in tokens):
+            raise ValueError("every row of a batched forward needs at least one token")
+        starts = [c.length for c in caches]
+        lengths = [len(t) for t in tokens]
+        for start, n in zip(starts, lengths, strict=True):
+            if start + n > self.max_context:
+                raise VerispecError(
+                    f"{self.name}: {start + n} tokens exceed the model's context of {self.max_context}"
+                )
+        width = max(lengths)
+        input_ids = torch.zeros(len(tokens), width, dtype=torch.long)
+        position_ids = torch.empty(len(tokens), width, dtype=torch.long)
+        for b, row in enumerate(tokens):
+            input_ids[b, : lengths[b]] = torch.as_tensor(row, dtype=torch.long)
+            if positions is not None:
+                position_ids[b, : lengths[b]] = torch.as_tensor(positions[b], dtype=torch.long)
+                position_ids[b, lengths[b] :] = position_ids[b, lengths[b] - 1]
+            else:
+                position_ids[b] = torch.arange(starts[b], starts[b] + width)
+        rows = RowBatch(caches=caches, starts=starts, lengths=lengths, tree_masks=tree_masks)
+        out = self.decoder(
+            input_ids=input_ids.to(self.device),
+            position_ids=position_ids.to(self.device),
+            attention_mask=_NO_MASKS,
+            use_cache=True,
+            verispec_rows=rows,
+            **{self._cache_kwarg: rows},
+        )
+        for cache, n in zip(caches, lengths, strict=True):
+            cache.advance(n)
         hidden = out.last_hidden_state  # [B, S, H]
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden).float()  # [B, keep, V]
+        kept = [hidden[b, n - k : n] for b, (n, k) in enumerate(zip(lengths, logits_to_keep, strict=True))]
+        flat = torch.cat(kept)  # [sum keep, H]
+        logits = self.lm_head(flat).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return ForwardOutput(logits=logits, hidden=hidden if return_hidden else None)
+        sizes = [h.shape[0] for h in kept]
+        return BatchOutput(
+            logits=list(logits.split(sizes)), hidden=list(flat.split(sizes)) if return_hidden else None
+        )
+
+
+_NO_MASKS = {"full_attention": None, "sliding_attention": None, "chunked_attention": None}
+"""Given as the decoder's attention mask so transformers builds none: the rowwise attention knows
+each row's causal prefix from its :class:`RowBatch`."""
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: object | None) -> set[int]:

@@ -4,8 +4,8 @@ A proposer suggests draft tokens; it never decides how many (that is the depth p
 never looks at the target's verdict beyond being told what was committed. Shared resources (a draft
 model's weights) live on the proposer; everything that belongs to one sequence (a KV cache, an
 n-gram index) lives in an opaque per-sequence state object that the engine keeps beside the
-sequence. That split lets a batch of sequences share one proposer and lets a later batched
-``propose_batch`` draft for many sequences in one forward pass.
+sequence. That split lets a batch of sequences share one proposer, and :meth:`Proposer.propose_batch`
+draft for many sequences in one forward pass.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ class Proposer(ABC):
 
         May return fewer than k tokens (even none) when it has nothing good to offer.
         """
+
+    def propose_batch(
+        self, states: Sequence[Any], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[Draft]:
+        """Draft for several sequences at once (a draft model batches its forwards); one by one here."""
+        return [self.propose(s, t, k) for s, t, k in zip(states, token_ids, ks, strict=True)]
 
     @abstractmethod
     def update(self, state: Any, token_ids: Sequence[int], num_accepted: int) -> None:

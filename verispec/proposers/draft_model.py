@@ -53,37 +53,58 @@ class DraftModelProposer(Proposer):
         )
 
     def propose(self, state: DraftModelState, token_ids: Sequence[int], k: int) -> Draft:
-        pending = list(token_ids[state.cache.length :])
-        state.fed_before_draft = len(token_ids)
-        state.fed_drafts = 0
-        greedy = state.sampling.greedy
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        next_input = torch.tensor([pending], dtype=torch.long)  # [1, P]
-        for i in range(k):
-            logits = self._fit_vocab(self.model.forward(next_input, state.cache).logits[0, -1])  # [V]
-            state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
-            if greedy:
-                token = int(logits.argmax())
-                confident = self.p_min == 0.0 or float(logits.softmax(-1)[token]) >= self.p_min
-            else:
-                row = logits_to_probs(logits, state.sampling)
-                confident = self.p_min == 0.0 or float(row.max()) >= self.p_min
-                token = int(sample(row, state.generator))
-                probs.append(row)
-            if not confident:
-                # A draft this unsure is likely rejected; stop before it. Known before
-                # verification, so stopping here cannot bias the output.
-                if probs:
-                    probs.pop()
+        return self.propose_batch([state], [token_ids], [k])[0]
+
+    def propose_batch(
+        self, states: Sequence[DraftModelState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[Draft]:
+        """Draft for every sequence together: draft step i is one batched forward over the rows
+        still drafting (a row stops at its k, or early under p_min)."""
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        feed: dict[int, list[int]] = {}  # row -> tokens to feed at this draft step
+        for b, (state, ids) in enumerate(zip(states, token_ids, strict=True)):
+            if ks[b] > 0:
+                state.fed_before_draft = len(ids)
+                state.fed_drafts = 0
+                feed[b] = list(ids[state.cache.length :])  # committed tokens the draft has not seen
+        for i in range(max(ks, default=0)):
+            if not feed:
                 break
-            tokens.append(token)
-            if i < k - 1:
-                next_input = torch.tensor([[token]], dtype=torch.long)
-        return Draft(
-            tokens=torch.tensor(tokens, dtype=torch.long),
-            probs=torch.stack(probs) if probs else None,  # greedy drafts are deterministic proposals
-        )
+            rows = list(feed)
+            out = self.model.forward_batch(
+                [states[b].cache for b in rows], [feed[b] for b in rows], logits_to_keep=[1] * len(rows)
+            )
+            feed = {}
+            for b, row_logits in zip(rows, out.logits, strict=True):
+                state = states[b]
+                state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
+                token = self._next(state, self._fit_vocab(row_logits[-1]), probs[b])
+                if token is None:
+                    continue  # too unsure: stop before it (known before verification, so exact)
+                tokens[b].append(token)
+                if i < ks[b] - 1:
+                    feed[b] = [token]
+        return [
+            Draft(
+                tokens=torch.tensor(t, dtype=torch.long),
+                probs=torch.stack(p) if p else None,  # greedy drafts are deterministic proposals
+            )
+            for t, p in zip(tokens, probs, strict=True)
+        ]
+
+    def _next(self, state: DraftModelState, logits: torch.Tensor, probs: list[torch.Tensor]) -> int | None:
+        """The next draft token (sampled, its distribution appended to ``probs``), or None when the
+        draft's confidence is below p_min."""
+        if state.sampling.greedy:
+            token = int(logits.argmax())
+            confident = self.p_min == 0.0 or float(logits.softmax(-1)[token]) >= self.p_min
+            return token if confident else None
+        row = logits_to_probs(logits, state.sampling)
+        if self.p_min and float(row.max()) < self.p_min:
+            return None
+        probs.append(row)
+        return int(sample(row, state.generator))
 
     def update(self, state: DraftModelState, token_ids: Sequence[int], num_accepted: int) -> None:
         # The cache holds the committed tokens plus the fed draft tokens (1..k-1 after a full

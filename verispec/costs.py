@@ -1,0 +1,158 @@
+"""What a step costs: measured forward times that the adaptive depth policy trades acceptance against.
+
+Two curves, measured on this machine with this model and these settings:
+
+- target: seconds of one batched forward against the number of tokens in the batch (every
+  sequence's pending token plus its drafts), split into rows as the engine splits them;
+- draft: seconds of one draft-model step against the number of rows drafting in it (prompt
+  lookup has no such cost).
+
+Measuring takes a few seconds for a 1.5B model, so a curve is cached on disk under the model's
+identity and the thread count. While serving, every step's real time corrects the curve's scale
+(an EMA of measured / predicted), which absorbs what the start-up measurement cannot see: longer
+contexts, another process on the machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from verispec.models.base import CausalLM
+
+TARGET_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+DRAFT_ROWS = (1, 2, 4, 8, 16)
+_ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens, as verify steps are
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Piecewise-linear seconds against a count, extrapolated along the last segment."""
+
+    xs: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, x: float) -> float:
+        if x <= self.xs[0]:
+            return self.seconds[0]
+        i = min(bisect.bisect_left(self.xs, x), len(self.xs) - 1)
+        x0, x1, y0, y1 = self.xs[i - 1], self.xs[i], self.seconds[i - 1], self.seconds[i]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+class StepCostModel:
+    """Predicted seconds of a step's target forward and draft steps, corrected by observed steps."""
+
+    def __init__(self, target: Curve, draft: Curve | None = None, correction: float = 0.1) -> None:
+        self.target = target
+        self.draft = draft
+        self.correction = correction
+        self.target_scale = 1.0
+        self.draft_scale = 1.0
+
+    def target_seconds(self, tokens: int) -> float:
+        return self.target(tokens) * self.target_scale
+
+    def draft_step_seconds(self, rows: int) -> float:
+        """One draft-model step over ``rows`` sequences (0 when there is no draft model)."""
+        if self.draft is None or rows <= 0:
+            return 0.0
+        return self.draft(rows) * self.draft_scale
+
+    def observe_target(self, tokens: int, seconds: float) -> None:
+        predicted = self.target(tokens)
+        if predicted > 0:
+            self.target_scale += self.correction * (seconds / predicted - self.target_scale)
+
+    def observe_draft(self, rows_per_step: Sequence[int], seconds: float) -> None:
+        predicted = sum(self.draft(r) for r in rows_per_step if r) if self.draft else 0.0
+        if predicted > 0:
+            self.draft_scale += self.correction * (seconds / predicted - self.draft_scale)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "target": asdict(self.target),
+            "draft": asdict(self.draft) if self.draft else None,
+            "target_scale": self.target_scale,
+            "draft_scale": self.draft_scale,
+        }
+
+
+def measure_target(model: CausalLM, context: int = 64, repeats: int = 3) -> Curve:
+    """Median seconds of a batched forward of t tokens (rows of up to 8) on ``context``-token caches."""
+    return Curve(
+        TARGET_TOKENS, tuple(_time_rows(model, _rows_for(t), context, repeats) for t in TARGET_TOKENS)
+    )
+
+
+def measure_draft(model: CausalLM, context: int = 64, repeats: int = 3) -> Curve:
+    """Median seconds of one draft step (one token per row) for each row count."""
+    return Curve(DRAFT_ROWS, tuple(_time_rows(model, [1] * r, context, repeats) for r in DRAFT_ROWS))
+
+
+def _rows_for(tokens: int) -> list[int]:
+    full, rest = divmod(tokens, _ROW_WIDTH)
+    return [_ROW_WIDTH] * full + ([rest] if rest else [])
+
+
+def _time_rows(model: CausalLM, widths: list[int], context: int, repeats: int) -> float:
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, model.vocab_size, (1, context), generator=generator)
+    base = model.new_cache()
+    model.forward(prefix, base)
+    caches = [base.clone() for _ in widths]
+    tokens = [torch.randint(0, model.vocab_size, (w,), generator=generator).tolist() for w in widths]
+    times = []
+    for i in range(repeats + 1):  # the first is a warm-up
+        started = time.perf_counter()
+        model.forward_batch(caches, tokens, logits_to_keep=widths)
+        if i:
+            times.append(time.perf_counter() - started)
+        for cache, w in zip(caches, widths, strict=True):
+            cache.trim(w)
+    return median(times)
+
+
+def load_or_measure(
+    target: CausalLM, draft: CausalLM | None, cache_dir: Path | None, repeats: int = 3
+) -> StepCostModel:
+    """The cost model for this target (and draft), from ``cache_dir`` when measured before."""
+    path = cache_dir / f"{_identity(target, draft)}.json" if cache_dir is not None else None
+    if path is not None and path.is_file():
+        data = json.loads(path.read_text())
+        return StepCostModel(
+            Curve(**_tuples(data["target"])), Curve(**_tuples(data["draft"])) if data["draft"] else None
+        )
+    costs = StepCostModel(
+        measure_target(target, repeats=repeats),
+        measure_draft(draft, repeats=repeats) if draft is not None else None,
+    )
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(costs.to_dict(), indent=1))
+        tmp.replace(path)
+    return costs
+
+
+def _tuples(d: dict[str, list]) -> dict[str, tuple]:
+    return {k: tuple(v) for k, v in d.items()}
+
+
+def _identity(target: CausalLM, draft: CausalLM | None) -> str:
+    """Model names, shapes, quantization and threads: what changes a forward's cost."""
+
+    def one(m: CausalLM) -> str:
+        quant = getattr(m, "quantization", "none")
+        params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0
+        return f"{m.name}-{m.vocab_size}-{m.hidden_size}-{params}-{quant}-{m.device}".replace("/", "_")
+
+    draft_part = f"+{one(draft)}" if draft is not None else ""
+    return f"{one(target)}{draft_part}-t{torch.get_num_threads()}"

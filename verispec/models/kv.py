@@ -1,0 +1,107 @@
+"""Per-sequence KV storage and the batch view transformers' decoder layers write into.
+
+Each sequence owns a :class:`KVBuffer`: one key and one value tensor per layer, ``[Hkv, capacity,
+D]``, that grows by doubling. Rolling back rejected drafts is just a smaller length (the stale
+entries are overwritten by the next write), and sequences of any lengths can share one forward:
+a :class:`RowBatch` tells every decoder layer where each row's new tokens go, and the attention in
+:mod:`verispec.models.attention` reads each row's keys straight from its own buffer, so no padded
+batch cache is ever built or copied when sequences join or leave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MIN_CAPACITY = 64
+
+
+class KVBuffer:
+    """One sequence's keys and values for every layer; trimmable from the end in O(1)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [Hkv, capacity, D]
+        self.values: dict[int, torch.Tensor] = {}
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Committed positions (the target sees exactly these on the next forward)."""
+        return self._length
+
+    def trim(self, n: int) -> None:
+        """Drop the last ``n`` positions (rejected draft tokens)."""
+        if n < 0 or n > self._length:
+            raise ValueError(f"cannot trim {n} positions from a cache of {self._length}")
+        self._length -= n
+
+    def advance(self, n: int) -> None:
+        self._length += n
+
+    def write(self, layer: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store ``key``/``value`` ([Hkv, S, D]) at positions ``start .. start+S-1`` of ``layer``."""
+        end = start + key.shape[1]
+        buf = self.keys.get(layer)
+        if buf is None or buf.shape[1] < end:
+            self.keys[layer] = _grown(buf, key, end, start)
+            self.values[layer] = _grown(self.values.get(layer), value, end, start)
+        self.keys[layer][:, start:end] = key
+        self.values[layer][:, start:end] = value
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers of ``layer`` (positions past the last write are junk)."""
+        return self.keys[layer], self.values[layer]
+
+    def clone(self) -> KVBuffer:
+        """An independent copy (the cost measurement gives many rows the same prefix)."""
+        other = KVBuffer()
+        other.keys = {i: t.clone() for i, t in self.keys.items()}
+        other.values = {i: t.clone() for i, t in self.values.items()}
+        other._length = self._length
+        return other
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def _grown(buf: torch.Tensor | None, like: torch.Tensor, needed: int, keep: int) -> torch.Tensor:
+    """A buffer with room for ``needed`` positions holding the first ``keep`` positions of ``buf``."""
+    capacity = max(_MIN_CAPACITY, needed, 2 * (buf.shape[1] if buf is not None else 0))
+    new = like.new_empty(like.shape[0], capacity, like.shape[2])
+    if buf is not None and keep:
+        new[:, :keep] = buf[:, :keep]
+    return new
+
+
+@dataclass
+class RowBatch:
+    """One forward over several sequences: row ``b`` appends ``lengths[b]`` tokens to ``caches[b]``.
+
+    Passed to the decoder as its cache (layers call :meth:`update`) and to the attention as the
+    ``verispec_rows`` keyword. Rows are right-padded to a common width; padded positions are
+    written past the row's length and never become part of the sequence.
+    """
+
+    caches: Sequence[KVBuffer]
+    starts: list[int]  # cache length of each row before this forward
+    lengths: list[int]  # real (unpadded) new tokens of each row
+    tree_masks: Sequence[torch.Tensor | None] | None = None
+    """Per row, ``[n, n]`` bool over the row's new tokens (True = may attend), for token trees;
+    None attends causally. Every new token always sees the whole cached prefix."""
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: object = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' cache hook: store row b's new keys/values ([B, Hkv, S, D]) in its buffer."""
+        for b, cache in enumerate(self.caches):
+            cache.write(layer_idx, self.starts[b], key[b], value[b])
+        return key, value
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return min(self.starts)
+
+    def tree_mask(self, row: int) -> torch.Tensor | None:
+        return None if self.tree_masks is None else self.tree_masks[row]

@@ -1,0 +1,206 @@
+"""Speculation depth: how many draft tokens each sequence gets this step (0 = plain decoding).
+
+Speculation spends compute that is idle at small batch sizes; as the batch grows, a verify token
+competes with other users' tokens and a deep draft that is mostly rejected slows everyone down.
+:class:`AdaptiveDepth` chooses, every step, one k per sequence to maximise the expected committed
+tokens per second of the whole step:
+
+    rate(k_1..k_n) = sum_i (1 + E[accepted_i | k_i]) / (T_target(sum_i (1 + k_i)) + T_draft(k_1..k_n))
+
+where ``E[accepted | k] = sum_{j<=k} P(first j drafts accepted)`` comes from the sequence's own
+per-position acceptance (:class:`AcceptanceEstimate`), ``T_target`` is the measured target forward
+time for that many tokens in the batch and ``T_draft`` the time of the draft model's batched
+steps (zero for prompt lookup). See :mod:`verispec.costs` for the curves.
+
+Exactness: the choice uses only what is known before this step's verification (past acceptance,
+batch size, costs). A scheduler that looks at the realised target outcome (for example, verifying a
+draft only when the target would accept it) biases the output; ``tests/test_policy.py`` shows
+that counterexample (target (0.7, 0.3), draft (0.5, 0.5) becomes (0.85, 0.15)) next to the engine
+staying exact with this policy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from verispec.costs import StepCostModel
+
+PRIOR_ACCEPTANCE = 0.8
+"""Conditional acceptance assumed where nothing has been measured yet. Optimistic on purpose: a
+pessimistic guess would keep a fresh engine from ever speculating, and so from ever measuring
+(only verified drafts teach anything); measurements replace it within a few steps."""
+
+
+class _Counts:
+    """Discounted accept/try counts per draft position, shrunk toward a prior mean: recent steps
+    weigh most, and a handful of outcomes cannot swing the estimate to 0 or 1."""
+
+    def __init__(self, discount: float, strength: float) -> None:
+        self.discount = discount
+        self.strength = strength  # pseudo-observations the prior mean is worth
+        self.hits: list[float] = []
+        self.tries: list[float] = []
+
+    def rate(self, position: int, prior: float) -> float:
+        if position >= len(self.tries):
+            return prior
+        return (self.hits[position] + self.strength * prior) / (self.tries[position] + self.strength)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for j, hit in _outcomes(drafted, accepted):
+            while len(self.tries) <= j:
+                self.hits.append(0.0)
+                self.tries.append(0.0)
+            self.hits[j] = self.discount * self.hits[j] + hit
+            self.tries[j] = self.discount * self.tries[j] + 1.0
+
+    def forget(self, factor: float) -> None:
+        self.hits = [h * factor for h in self.hits]
+        self.tries = [t * factor for t in self.tries]
+
+
+class AcceptancePrior:
+    """Engine-wide conditional acceptance per draft position, over every sequence.
+
+    New sequences start from it, and a sequence whose speculation is paused drifts back to it, so
+    a sequence that once drafted badly is tried again later rather than never.
+    """
+
+    def __init__(self) -> None:
+        self.counts = _Counts(discount=0.98, strength=2.0)
+
+    def at(self, position: int) -> float:
+        return self.counts.rate(position, PRIOR_ACCEPTANCE)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.counts.observe(drafted, accepted)
+
+
+class AcceptanceEstimate:
+    """One sequence's conditional acceptance per draft position: P(draft j accepted | j-1 were)."""
+
+    def __init__(self, prior: AcceptancePrior, forget: float = 0.9) -> None:
+        self.prior = prior
+        self.forget_factor = forget
+        self.counts = _Counts(discount=0.9, strength=2.0)
+
+    def at(self, position: int) -> float:
+        return self.counts.rate(position, self.prior.at(position))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Record a verified draft of ``drafted`` tokens of which the first ``accepted`` were kept."""
+        self.counts.observe(drafted, accepted)
+
+    def relax(self) -> None:
+        """A step without speculation: forget a little, drifting toward the engine-wide prior."""
+        self.counts.forget(self.forget_factor)
+
+    def survival(self, k: int) -> list[float]:
+        """P(the first j drafts are all accepted) for j = 1..k."""
+        out, p = [], 1.0
+        for j in range(k):
+            p *= self.at(j)
+            out.append(p)
+        return out
+
+
+def _outcomes(drafted: int, accepted: int) -> list[tuple[int, float]]:
+    """(position, 1.0 accepted / 0.0 rejected) for the positions verified conditional on the ones
+    before being accepted: every accepted one and the first rejected one."""
+    return [(j, 1.0) for j in range(accepted)] + ([(accepted, 0.0)] if accepted < drafted else [])
+
+
+@dataclass(frozen=True)
+class DepthQuery:
+    """What the policy knows about one sequence before this step's verification."""
+
+    cap: int
+    """Most draft tokens allowed: the request's maximum, cut by the tokens it may still generate;
+    0 when the request turned speculation off."""
+    survival: Sequence[float]
+    """P(the first j drafts are all accepted), j = 1..cap, from past steps only."""
+
+
+class DepthPolicy(ABC):
+    """Chooses k for every sequence of a step."""
+
+    name: str
+
+    def __init__(self, disable_by_batch_size: int | None = None) -> None:
+        self.disable_by_batch_size = disable_by_batch_size
+
+    def choose(self, queries: Sequence[DepthQuery]) -> list[int]:
+        if self.disable_by_batch_size is not None and len(queries) >= self.disable_by_batch_size:
+            return [0] * len(queries)  # vLLM's --speculative-disable-by-batch-size
+        return self._choose(queries)
+
+    @abstractmethod
+    def _choose(self, queries: Sequence[DepthQuery]) -> list[int]: ...
+
+
+class FixedDepth(DepthPolicy):
+    """Always the maximum k (the classic fixed-k speculative decoding)."""
+
+    name = "fixed"
+
+    def _choose(self, queries: Sequence[DepthQuery]) -> list[int]:
+        return [q.cap for q in queries]
+
+
+class AdaptiveDepth(DepthPolicy):
+    """Per-sequence k maximising the step's expected committed tokens per second (module docstring)."""
+
+    name = "adaptive"
+
+    def __init__(self, costs: StepCostModel, disable_by_batch_size: int | None = None) -> None:
+        super().__init__(disable_by_batch_size)
+        self.costs = costs
+
+    def _choose(self, queries: Sequence[DepthQuery]) -> list[int]:
+        """Greedy ascent: repeatedly apply the single move "sequence i drafts m more tokens" that
+        raises the rate most. Moves of several tokens at once get past a draft model's fixed
+        per-step cost, which no one-token move pays back on its own."""
+        ks = [0] * len(queries)
+        tokens = len(queries)
+        rows_at = [0] * (max((q.cap for q in queries), default=0) + 1)  # rows drafting at step j
+        gain = float(len(queries))
+        draft_s = 0.0
+        rate = gain / (self.costs.target_seconds(tokens) + draft_s)
+        while True:
+            best: tuple[float, int, int, float, float] | None = None
+            for i, q in enumerate(queries):
+                extra_gain, extra_draft = 0.0, 0.0
+                for m in range(1, q.cap - ks[i] + 1):
+                    level = ks[i] + m  # the draft step this token needs
+                    extra_gain += q.survival[level - 1]
+                    extra_draft += self.costs.draft_step_seconds(rows_at[level] + 1) - (
+                        self.costs.draft_step_seconds(rows_at[level]) if rows_at[level] else 0.0
+                    )
+                    seconds = self.costs.target_seconds(tokens + m) + draft_s + extra_draft
+                    candidate = (gain + extra_gain) / seconds
+                    if candidate > rate * (1 + 1e-9) and (best is None or candidate > best[0]):
+                        best = (candidate, i, m, extra_gain, extra_draft)
+            if best is None:
+                return ks
+            rate, i, m, extra_gain, extra_draft = best
+            for level in range(ks[i] + 1, ks[i] + m + 1):
+                rows_at[level] += 1
+            ks[i] += m
+            tokens += m
+            gain += extra_gain
+            draft_s += extra_draft
+
+
+def make_policy(
+    name: str, costs: StepCostModel | None, disable_by_batch_size: int | None = None
+) -> DepthPolicy:
+    """The policy for ``--depth-policy``: 'adaptive' (needs measured costs) or 'fixed'."""
+    if name == "fixed":
+        return FixedDepth(disable_by_batch_size)
+    if name == "adaptive":
+        if costs is None:
+            raise ValueError("the adaptive depth policy needs a cost model")
+        return AdaptiveDepth(costs, disable_by_batch_size)
+    raise ValueError(f"unknown depth policy {name!r}; choose adaptive or fixed")
