@@ -42,6 +42,21 @@ def engine_for(target, method, draft=None, k=4) -> SpecEngine:
 
 
 @needs_smollm2
+def test_smollm2_batched_adaptive_speculation_equals_plain_alone(smollm2):
+    """The serving path: all prompts decode together with the adaptive depth policy (costs measured
+    on this machine) and each gets exactly its own plain, unbatched output."""
+    spec = SpecConfig(method="ngram", num_speculative_tokens=6)
+    engine = SpecEngine(smollm2, build_proposer(spec, smollm2, None), spec, tokenizer=smollm2.tokenizer)
+    plain = engine.plain_engine()
+    prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS * 2]
+    want = [plain.generate(p, max_new_tokens=40).token_ids for p in prompts]
+    got = engine.generate_batch(prompts, max_new_tokens=40)
+    assert [g.token_ids for g in got] == want
+    assert sum(g.stats.num_accepted for g in got) > 0
+    assert engine.costs is not None and engine.costs.target(8) > 0
+
+
+@needs_smollm2
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
     # The target runs the default int8 fast path; the draft is the same network with float32

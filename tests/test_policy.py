@@ -1,0 +1,201 @@
+"""Depth policy: what k it picks, how acceptance is learned, and that no choice biases the output."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from tests.stats import chi_square
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.costs import Curve, StepCostModel
+from verispec.engine import SpecEngine
+from verispec.models.base import BatchOutput, ForwardOutput
+from verispec.models.kv import KVBuffer
+from verispec.policy import (
+    PRIOR_ACCEPTANCE,
+    AcceptanceEstimate,
+    AcceptancePrior,
+    AdaptiveDepth,
+    DepthQuery,
+    FixedDepth,
+)
+from verispec.proposers.base import Proposer
+from verispec.types import Draft
+from verispec.verify import verify
+
+FLAT = StepCostModel(Curve((1, 64), (0.100, 0.110)))
+"""Memory-bound: checking 64 tokens costs 10% more than one."""
+LINEAR = StepCostModel(Curve((1, 64), (0.010, 0.640)))
+"""Compute-bound: every token costs the same."""
+SATURATING = StepCostModel(Curve((1, 8, 16, 128), (0.070, 0.085, 0.130, 1.0)))
+"""Like the int8 1.5B here: flat up to ~8 tokens, then linear."""
+
+
+def query(cap: int, rate: float) -> DepthQuery:
+    return DepthQuery(cap=cap, survival=[rate ** (j + 1) for j in range(cap)])
+
+
+def test_fixed_depth_and_the_batch_size_cut_off():
+    assert FixedDepth().choose([query(5, 0.1), query(3, 0.9), query(0, 0.9)]) == [5, 3, 0]
+    policy = FixedDepth(disable_by_batch_size=3)
+    assert policy.choose([query(5, 0.9)] * 2) == [5, 5]
+    assert policy.choose([query(5, 0.9)] * 3) == [0, 0, 0]
+
+
+def test_adaptive_goes_deep_when_verifying_is_nearly_free_and_drafts_are_good():
+    assert AdaptiveDepth(FLAT).choose([query(8, 0.9)]) == [8]
+
+
+def test_adaptive_does_not_speculate_when_every_token_costs_the_same():
+    # Each draft token costs a full token's time and is accepted less than always: never worth it.
+    assert AdaptiveDepth(LINEAR).choose([query(8, 0.9), query(8, 0.5)]) == [0, 0]
+
+
+def test_adaptive_gets_shallower_as_the_batch_grows_and_favours_good_sequences():
+    policy = AdaptiveDepth(SATURATING)
+    alone = policy.choose([query(8, 0.8)])[0]
+    crowded = policy.choose([query(8, 0.8)] * 16)
+    assert alone > 0
+    assert max(crowded) < alone
+    mixed = policy.choose([query(8, 0.95)] * 2 + [query(8, 0.3)] * 2)
+    assert mixed[0] > mixed[2]
+
+
+def test_adaptive_respects_each_cap_and_pays_for_a_draft_model():
+    policy = AdaptiveDepth(FLAT)
+    assert policy.choose([query(2, 0.99), query(0, 0.99)]) == [2, 0]
+    # Free drafts (prompt lookup) pay even at 10% acceptance when verifying is nearly free; a draft
+    # model whose step costs a fifth of a target forward does not, but pays at 99%.
+    assert policy.choose([query(6, 0.1)])[0] > 0
+    with_draft = StepCostModel(Curve((1, 64), (0.100, 0.110)), draft=Curve((1, 16), (0.020, 0.030)))
+    assert AdaptiveDepth(with_draft).choose([query(6, 0.1)]) == [0]
+    assert AdaptiveDepth(with_draft).choose([query(6, 0.99)]) == [6]
+
+
+def test_acceptance_estimate_learns_forgets_and_starts_from_the_prior():
+    prior = AcceptancePrior()
+    seq = AcceptanceEstimate(prior)
+    assert seq.survival(2) == pytest.approx([PRIOR_ACCEPTANCE, PRIOR_ACCEPTANCE**2])
+    for _ in range(20):
+        seq.observe(drafted=4, accepted=0)  # always rejected at the first position
+    assert seq.at(0) < 0.2
+    assert seq.at(1) == prior.at(1)  # never reached: no evidence at position 1
+    low = seq.at(0)
+    for _ in range(30):
+        seq.relax()
+    assert low < seq.at(0) <= prior.at(0) + 1e-9  # drifts back, so it is tried again
+
+
+def test_cost_model_corrects_its_scale_from_observed_steps():
+    costs = StepCostModel(Curve((1, 8), (0.1, 0.2)))
+    assert costs.target_seconds(4) == pytest.approx(0.1 + 0.1 * 3 / 7)
+    for _ in range(100):
+        costs.observe_target(1, 0.2)  # the machine is twice as slow as measured
+    assert costs.target_seconds(1) == pytest.approx(0.2, rel=0.01)
+    assert costs.draft_step_seconds(3) == 0.0  # no draft model
+
+
+# --------------------------------------------------------------------- exactness under any schedule
+
+P_TARGET = torch.tensor([0.7, 0.3])
+Q_DRAFT = torch.tensor([0.5, 0.5])
+
+
+class ConstantModel:
+    """A 'model' whose next-token distribution is always P_TARGET, whatever the context."""
+
+    name = "constant"
+    vocab_size = 2
+    hidden_size = 1
+    max_context = 1 << 20
+    device = torch.device("cpu")
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def new_cache(self) -> KVBuffer:
+        return KVBuffer()
+
+    def forward(self, input_ids: torch.Tensor, cache: KVBuffer, **_: object) -> ForwardOutput:
+        out = self.forward_batch([cache], [input_ids[0].tolist()], logits_to_keep=[1])
+        return ForwardOutput(logits=out.logits[0].unsqueeze(0))
+
+    def forward_batch(
+        self, caches: Sequence[KVBuffer], tokens: Sequence[Sequence[int]], *, logits_to_keep, **_: object
+    ) -> BatchOutput:
+        for cache, row in zip(caches, tokens, strict=True):
+            cache.advance(len(row))
+        return BatchOutput(logits=[P_TARGET.log().expand(k, 2).clone() for k in logits_to_keep])
+
+
+class CoinProposer(Proposer):
+    """Drafts from Q_DRAFT, with its probabilities (so rejection sampling applies)."""
+
+    name = "coin"
+
+    def new_state(self, prompt_ids, sampling):
+        return torch.Generator().manual_seed(sampling.seed or 0)
+
+    def propose(self, state, token_ids, k):
+        tokens = torch.multinomial(Q_DRAFT, k, replacement=True, generator=state)
+        return Draft(tokens=tokens, probs=Q_DRAFT.expand(k, 2).clone())
+
+    def update(self, state, token_ids, num_accepted):
+        pass
+
+
+def test_a_look_ahead_scheduler_biases_the_output():
+    """DSpark's counterexample: verifying a draft only when the target will surely accept it (a
+    decision that reads the target's probabilities, i.e. the verification outcome) turns the target's
+    (0.7, 0.3) into (0.85, 0.15). The test harness catches it, so the next test's pass means something."""
+    sampling = SamplingConfig(temperature=1.0)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(2)
+    for _ in range(4000):
+        x = int(torch.multinomial(Q_DRAFT, 1, generator=gen))
+        anticipating = P_TARGET[x] >= Q_DRAFT[x]  # peeks at the target: not allowed
+        draft = Draft(tokens=torch.tensor([x]), probs=Q_DRAFT.unsqueeze(0)) if anticipating else Draft.empty()
+        result = verify(draft, P_TARGET.log().expand(draft.k + 1, 2), sampling, gen)
+        counts[result.tokens[0]] += 1
+    assert chi_square(counts, torch.tensor([0.85, 0.15]))[1] > 1e-3
+    assert chi_square(counts, P_TARGET)[1] < 1e-9
+
+
+class HistoryPolicy(FixedDepth):
+    """Non-anticipating but history-driven: speculates only after a step that accepted a draft
+    (so whether a position is verified depends on earlier outcomes, never on its own)."""
+
+    def __init__(self, engine_ref: list[SpecEngine]) -> None:
+        super().__init__()
+        self.engine_ref = engine_ref
+
+    def _choose(self, queries):
+        seqs = self.engine_ref[0].running
+        return [q.cap if s.stats.num_accepted % 2 == 0 else 0 for q, s in zip(queries, seqs, strict=True)]
+
+
+@pytest.mark.parametrize("policy_name", ["adaptive", "history"])
+def test_the_engine_stays_exact_whatever_the_depth_schedule(policy_name):
+    """Target (0.7, 0.3), draft (0.5, 0.5): every committed token must follow (0.7, 0.3), with k
+    changing from step to step (the adaptive policy on costs where k matters; a history-driven one)."""
+    spec = SpecConfig(
+        method="ngram", num_speculative_tokens=3, depth="adaptive" if policy_name == "adaptive" else "fixed"
+    )
+    engine = SpecEngine(ConstantModel(), CoinProposer(), spec, costs=SATURATING)  # type: ignore[arg-type]
+    if policy_name == "history":
+        engine._policy = HistoryPolicy([engine])
+    for seed in range(8):
+        engine.add(engine.make_request([0], max_new_tokens=500, temperature=1.0, seed=seed))
+    tokens, stats = [], []
+    while engine.has_work():
+        for out in engine.step():
+            tokens += [e.token_id for e in out.events]
+            stats += [e.stats for e in out.events if e.stats is not None]
+    assert len(tokens) == 8 * 500 and len(stats) == 8
+    counts = torch.bincount(torch.tensor(tokens), minlength=2)
+    drafted = sum(s.num_drafted for s in stats)
+    steps = sum(s.num_steps for s in stats)
+    accepted = sum(s.num_accepted for s in stats)
+    assert drafted > 0 and accepted > 0  # speculation really happened...
+    assert drafted < 3 * steps  # ...at varying depth
+    assert chi_square(counts, P_TARGET)[1] > 1e-4
