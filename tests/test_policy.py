@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 
 from tests.stats import chi_square
 from verispec.config import SamplingConfig, SpecConfig
-from verispec.costs import Curve, StepCostModel
+from verispec.costs import Curve, StepCostModel, load_costs_file
 from verispec.engine import SpecEngine
+from verispec.errors import VerispecError
 from verispec.models.base import BatchOutput, ForwardOutput
 from verispec.models.kv import KVBuffer
 from verispec.policy import (
@@ -199,3 +201,29 @@ def test_the_engine_stays_exact_whatever_the_depth_schedule(policy_name):
     assert drafted > 0 and accepted > 0  # speculation really happened...
     assert drafted < 3 * steps  # ...at varying depth
     assert chi_square(counts, P_TARGET)[1] > 1e-4
+
+
+def test_costs_load_from_a_bench_forward_file_and_stay_monotone(tmp_path):
+    def points(*pairs: tuple[int, float]) -> list[dict[str, float]]:
+        return [{"k": k, "median_ms": ms} for k, ms in pairs]
+
+    forward = {
+        "schema": "verispec-bench-forward/1",
+        "curves": [
+            {"role": "target", "model": "t", "points": points((1, 70.0), (2, 60.0), (8, 85.0))},
+            {"role": "draft", "model": "d", "points": points((1, 30.0), (4, 40.0))},
+        ],
+    }
+    path = tmp_path / "forward.json"
+    path.write_text(json.dumps(forward))
+    costs = load_costs_file(path)
+    assert costs.target_seconds(1) == pytest.approx(0.070)
+    assert costs.target_seconds(2) == pytest.approx(0.070)  # a noisy dip is flattened
+    assert costs.target_seconds(8) == pytest.approx(0.085)
+    assert costs.draft_step_seconds(1) == pytest.approx(0.030)
+    cached = tmp_path / "cached.json"
+    cached.write_text(json.dumps(costs.to_dict()))
+    assert load_costs_file(cached).target_seconds(8) == pytest.approx(0.085)
+    path.write_text("{}")
+    with pytest.raises(VerispecError, match="neither"):
+        load_costs_file(path)

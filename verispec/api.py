@@ -12,6 +12,7 @@ from verispec.config import (
     SchedulerConfig,
     SpecConfig,
 )
+from verispec.costs import load_costs_file
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models import load_model
@@ -33,6 +34,7 @@ def load(
     draft_p_min: float = 0.0,
     depth: str = "adaptive",
     disable_by_batch_size: int | None = None,
+    costs: str | Path | None = None,
     max_batch_size: int = 8,
     max_waiting: int = 64,
 ) -> SpecEngine:
@@ -43,8 +45,9 @@ def load(
     folders or ``.gguf`` files. ``quantization="auto"`` runs float32 models on CPU with int8
     weights (the fast path, see :mod:`verispec.models.quant`); ``"none"`` keeps float weights.
     ``depth`` is ``"adaptive"`` (k per sequence and step, up to ``num_speculative_tokens``, see
-    :mod:`verispec.policy`) or ``"fixed"``. ``max_batch_size`` sequences decode together and up to
-    ``max_waiting`` more queue behind them.
+    :mod:`verispec.policy`) or ``"fixed"``; its costs are measured on first use (and cached) unless
+    ``costs`` names a file (``forward.json`` of ``verispec bench forward``). ``max_batch_size``
+    sequences decode together and up to ``max_waiting`` more queue behind them.
     """
     if method is None and draft is not None:
         method = "draft"
@@ -69,5 +72,11 @@ def load(
     draft_model = load_model(draft, load_cfg) if method == "draft" and draft is not None else None
     proposer = build_proposer(spec, target_model, draft_model)
     return SpecEngine(
-        target_model, proposer, spec, tokenizer=target_model.tokenizer, draft=draft_model, scheduler=scheduler
+        target_model,
+        proposer,
+        spec,
+        tokenizer=target_model.tokenizer,
+        draft=draft_model,
+        scheduler=scheduler,
+        costs=load_costs_file(Path(costs)) if costs is not None else None,
     )

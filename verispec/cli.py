@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS, ModelLoadConfig
@@ -75,6 +76,14 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="no speculation while N or more sequences decode together",
     )
+    parser.add_argument(
+        "--costs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="cost curves for the adaptive policy: forward.json from `verispec bench forward` "
+        "(default: measured at start-up, cached per model and thread count)",
+    )
     parser.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --method ngram")
     parser.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --method ngram")
     parser.add_argument(
@@ -96,6 +105,7 @@ def load_engine(args: argparse.Namespace, **scheduler: int) -> Any:
         num_speculative_tokens=args.num_speculative_tokens,
         depth=args.depth_policy,
         disable_by_batch_size=args.speculative_disable_by_batch_size,
+        costs=args.costs,
         device=args.device,
         dtype=args.dtype,
         threads=args.threads,

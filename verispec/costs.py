@@ -34,10 +34,23 @@ _ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens,
 
 @dataclass(frozen=True)
 class Curve:
-    """Piecewise-linear seconds against a count, extrapolated along the last segment."""
+    """Piecewise-linear seconds against a count, extrapolated along the last segment.
+
+    Made non-decreasing on construction: more tokens never cost less, and a noisy measurement
+    saying otherwise would make the policy chase the noise.
+    """
 
     xs: tuple[int, ...]
     seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.xs) < 2 or len(self.xs) != len(self.seconds) or list(self.xs) != sorted(set(self.xs)):
+            raise ValueError(f"a cost curve needs >= 2 increasing points, got {self.xs} / {self.seconds}")
+        running, monotone = 0.0, []
+        for y in self.seconds:
+            running = max(running, float(y))
+            monotone.append(running)
+        object.__setattr__(self, "seconds", tuple(monotone))
 
     def __call__(self, x: float) -> float:
         if x <= self.xs[0]:
@@ -140,6 +153,31 @@ def load_or_measure(
         tmp.write_text(json.dumps(costs.to_dict(), indent=1))
         tmp.replace(path)
     return costs
+
+
+def load_costs_file(path: Path) -> StepCostModel:
+    """Costs from a file: a ``forward.json`` of ``verispec bench forward`` (k tokens in one row
+    stand in for k tokens across rows, and a draft forward of k tokens for a draft step over k
+    rows), or a cost model this module cached."""
+    from verispec.errors import VerispecError
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise VerispecError(f"cannot read the cost file {path}: {exc}") from exc
+    if "target" in data and isinstance(data["target"], dict):
+        return StepCostModel(
+            Curve(**_tuples(data["target"])), Curve(**_tuples(data["draft"])) if data.get("draft") else None
+        )
+    curves = {c["role"]: c for c in data.get("curves", []) if isinstance(c, dict)}
+    if "target" not in curves:
+        raise VerispecError(f"{path} is neither a forward.json with a target curve nor a verispec cost file")
+
+    def curve(c: dict) -> Curve:
+        points = sorted((int(p["k"]), float(p["median_ms"]) / 1000) for p in c["points"])
+        return Curve(tuple(k for k, _ in points), tuple(s for _, s in points))
+
+    return StepCostModel(curve(curves["target"]), curve(curves["draft"]) if "draft" in curves else None)
 
 
 def _tuples(d: dict[str, list]) -> dict[str, tuple]:
