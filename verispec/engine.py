@@ -245,21 +245,29 @@ class SpecEngine:
         return outputs
 
     def _prefill(self, outputs: list[RequestOutput]) -> None:
-        """Feed prompt chunks (boundaries at multiples of ``prefill_chunk``) within the step's budget."""
+        """Feed the next prompt chunk of sequences still prefilling, within the step's token budget,
+        in one batched forward. A chunk ends at the next multiple of ``prefill_chunk``, so how a
+        prompt is split depends on its length alone, never on what else is running."""
         chunk = self.scheduler.prefill_chunk
         budget = chunk
-        for seq in [s for s in self.running if not s.prefilled]:
+        seqs, rows = [], []
+        for seq in self.running:
+            if seq.prefilled:
+                continue
             if budget <= 0:
                 break
             start = seq.cache.length
             end = min(len(seq.token_ids) - 1, (start // chunk + 1) * chunk)
+            seqs.append(seq)
+            rows.append(seq.token_ids[start:end])
+            budget -= end - start
+        if seqs:
 
-            def run(seqs: list[SeqState], start: int = start, end: int = end) -> list[RequestOutput]:
-                self.target.forward_batch([seqs[0].cache], [seqs[0].token_ids[start:end]], logits_to_keep=[1])
+            def run(seqs: list[SeqState]) -> list[RequestOutput]:
+                self.target.forward_batch([s.cache for s in seqs], rows, logits_to_keep=[1] * len(seqs))
                 return []
 
-            outputs.extend(self._guarded([seq], run))
-            budget -= end - start
+            outputs.extend(self._guarded(seqs, run))
 
     def _guarded(self, seqs: list[SeqState], work: Any) -> list[RequestOutput]:
         """Run ``work(seqs)``; if it fails, end those requests with the error and keep serving."""
