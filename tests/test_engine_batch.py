@@ -10,6 +10,7 @@ from verispec.engine import SpecEngine
 from verispec.errors import QueueFullError, VerispecError
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import quantize_int8_dynamic
+from verispec.policy import FixedDepth
 from verispec.proposers.base import build_proposer
 
 PROMPTS = [
@@ -172,3 +173,33 @@ def test_long_prompts_are_prefilled_in_chunks_while_others_decode(tiny_target):
     while engine.has_work():
         rest += [e.token_id for o in engine.step() if o.request_id == long.request_id for e in o.events]
     assert rest == alone.token_ids
+
+
+class PauseThenSpeculate(FixedDepth):
+    """No speculation for the first ``pause`` steps, then the full k."""
+
+    def __init__(self, pause: int) -> None:
+        super().__init__()
+        self.pause = pause
+        self.calls = 0
+
+    def _choose(self, queries):
+        self.calls += 1
+        return [0 if self.calls <= self.pause else q.cap for q in queries]
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_proposer_state_stays_fresh_while_speculation_is_paused(tiny_target, tiny_draft, method):
+    """After 15 plain steps the proposer drafts from the whole context: the same acceptance as a
+    sequence that speculated all along, over the same stretch of output."""
+    draft = tiny_draft if method == "draft" else None
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    paused = engine_for(tiny_target, draft, method)
+    paused._policy = PauseThenSpeculate(15)
+    got = paused.generate(prompt, max_new_tokens=60)
+    want = engine_for(tiny_target, None, None).generate(prompt, max_new_tokens=60)
+    assert got.token_ids == want.token_ids
+    # Continue the always-speculating run from the same 15 tokens: same context, same proposals.
+    resumed = engine_for(tiny_target, draft, method).generate(prompt + want.token_ids[:15], max_new_tokens=45)
+    assert got.stats.num_drafted == resumed.stats.num_drafted > 0
+    assert got.stats.num_accepted == resumed.stats.num_accepted > 0
