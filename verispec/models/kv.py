@@ -54,6 +54,16 @@ class KVBuffer:
         """The whole key and value buffers of ``layer`` (positions past the last write are junk)."""
         return self.keys[layer], self.values[layer]
 
+    @torch.inference_mode()
+    def compact(self, start: int, keep: list[int]) -> None:
+        """After a token-tree forward: keep the entries at ``start + keep[i]`` (the accepted path,
+        in order) at ``start + i`` and drop the rest of the tree."""
+        idx = torch.tensor([start + k for k in keep])
+        for store in (self.keys, self.values):
+            for buf in store.values():
+                buf[:, start : start + len(keep)] = buf.index_select(1, idx)
+        self._length = start + len(keep)
+
     def clone(self) -> KVBuffer:
         """An independent copy (the cost measurement gives many rows the same prefix)."""
         other = KVBuffer()
