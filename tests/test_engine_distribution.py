@@ -20,6 +20,7 @@ import torch
 
 from tests.conftest import perturbed, tiny_llama
 from tests.stats import chi_square
+from tests.tree_proposer import TopTwoTree
 from verispec.config import DraftModelConfig, SamplingConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
@@ -213,3 +214,17 @@ def test_a_wrong_verifier_fails_the_same_check(target, draft, prefix_logits, mon
     # The first token is a draft token more often than not, so its marginal shows the bias best.
     checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
     assert checks["tokens 0"][1] < ALPHA, describe(checks)
+
+
+def test_token_tree_engine_samples_the_target_distribution(target, draft, prefix_logits):
+    """Two candidates per position (the draft's top two, then its greedy continuation of each),
+    verified as a tree: sibling after sibling, each rejection removing its token from the target's
+    distribution. The output must still be the target's own."""
+    spec = SpecConfig(method="draft", num_speculative_tokens=2, depth="fixed")
+    engine = SpecEngine(target, TopTwoTree(draft), spec)
+    sampling = SamplingConfig(temperature=1.0)
+    tokens, totals = generate_all(engine, sampling, SEEDS)
+    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals  # both depths used, not always
+    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
+    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
+    assert not failed, describe(checks)

@@ -142,7 +142,7 @@ class CoinProposer(Proposer):
         tokens = torch.multinomial(Q_DRAFT, k, replacement=True, generator=state)
         return Draft(tokens=tokens, probs=Q_DRAFT.expand(k, 2).clone())
 
-    def update(self, state, token_ids, num_accepted):
+    def update(self, state, token_ids, num_accepted, hidden=None):
         pass
 
 

@@ -41,6 +41,7 @@ from verispec.proposers.base import Proposer
 from verispec.sampling import make_generator
 from verispec.types import Draft, FinishReason, Generation, TokenEvent
 from verispec.verify import verify
+from verispec.verify.tree import DraftTree, tree_attention_inputs, verify_tree
 
 Prompt = str | Seq[int]
 _ids = count()
@@ -264,7 +265,15 @@ class SpecEngine:
         if seqs:
 
             def run(seqs: list[SeqState]) -> list[RequestOutput]:
-                self.target.forward_batch([s.cache for s in seqs], rows, logits_to_keep=[1] * len(seqs))
+                out = self.target.forward_batch(
+                    [s.cache for s in seqs],
+                    rows,
+                    logits_to_keep=[0] * len(seqs),
+                    hidden_to_keep=[len(r) for r in rows] if self._needs_hidden else None,
+                )
+                if out.hidden is not None and self.proposer is not None:
+                    for seq, hidden in zip(seqs, out.hidden, strict=True):
+                        self.proposer.prefill(seq.proposer_state, hidden)
                 return []
 
             outputs.extend(self._guarded(seqs, run))
@@ -286,30 +295,59 @@ class SpecEngine:
         ks = self._depths(seqs)
         drafts = self._propose(seqs, ks)
         t1 = time.perf_counter()
-        rows = [s.token_ids[s.cache.length :] + d.tokens.tolist() for s, d in zip(seqs, drafts, strict=True)]
+        starts = [s.cache.length for s in seqs]
+        rows, positions, masks = [], [], []
+        for seq, draft, start in zip(seqs, drafts, starts, strict=True):
+            pending = seq.token_ids[start:]
+            rows.append(pending + draft.tokens.tolist())
+            if isinstance(draft, DraftTree):  # the target's pending token is one token: the root
+                pos, mask = tree_attention_inputs(draft, start)
+                positions.append(pos)
+                masks.append(mask)
+            else:
+                positions.append(list(range(start, start + len(rows[-1]))))
+                masks.append(None)
+        trees = any(m is not None for m in masks)
         out = self.target.forward_batch(
-            [s.cache for s in seqs], rows, logits_to_keep=[d.k + 1 for d in drafts]
+            [s.cache for s in seqs],
+            rows,
+            logits_to_keep=[_nodes(d) + 1 for d in drafts],
+            return_hidden=self._needs_hidden,
+            positions=positions if trees else None,
+            tree_masks=masks if trees else None,
         )
         t2 = time.perf_counter()
-        outputs = []
-        accepted = []
-        for seq, draft, logits in zip(seqs, drafts, out.logits, strict=True):
-            result = verify(draft, logits, seq.request.sampling, seq.generator)
-            seq.cache.trim(draft.k - result.num_accepted)
-            seq.stats.observe(draft.k, result.num_accepted)
-            if draft.k:
-                seq.acceptance.observe(draft.k, result.num_accepted)
-                self.prior.observe(draft.k, result.num_accepted)
+        outputs, accepted = [], []
+        for b, (seq, draft, logits) in enumerate(zip(seqs, drafts, out.logits, strict=True)):
+            if isinstance(draft, DraftTree):
+                tree_result = verify_tree(draft, logits, seq.request.sampling, seq.generator)
+                kept_rows = [0] + [i + 1 for i in tree_result.path]
+                seq.cache.compact(starts[b], kept_rows)
+                tokens, num_accepted, depth = tree_result.tokens, tree_result.num_accepted, _depth(draft)
+            else:
+                result = verify(draft, logits, seq.request.sampling, seq.generator)
+                seq.cache.trim(draft.k - result.num_accepted)
+                tokens, num_accepted, depth = result.tokens, result.num_accepted, draft.k
+                kept_rows = list(range(num_accepted + 1))
+            seq.stats.observe(depth, num_accepted)
+            if depth:
+                seq.acceptance.observe(depth, num_accepted)
+                self.prior.observe(depth, num_accepted)
             elif seq.request.num_speculative_tokens:
                 seq.acceptance.relax()
-            accepted.append(result.num_accepted)
-            outputs.append(self._commit(seq, result.tokens, result.num_accepted))
+            accepted.append(num_accepted)
+            hidden = out.hidden[b][kept_rows] if out.hidden is not None else None
+            outputs.append(self._commit(seq, tokens, num_accepted, hidden))
         t3 = time.perf_counter()
         for seq in seqs:
             seq.stats.draft_seconds += t1 - t0
             seq.stats.verify_seconds += t3 - t1
-        self._report(seqs, drafts, accepted, t1 - t0, t2 - t1)
+        self._report(seqs, [_depth(d) for d in drafts], accepted, t1 - t0, t2 - t1)
         return outputs
+
+    @property
+    def _needs_hidden(self) -> bool:
+        return self.proposer is not None and self.proposer.needs_hidden
 
     def _depths(self, seqs: list[SeqState]) -> list[int]:
         caps = [min(s.request.num_speculative_tokens, s.budget - s.num_generated - 1) for s in seqs]
@@ -320,8 +358,8 @@ class SpecEngine:
         ]
         return self.policy.choose(queries)
 
-    def _propose(self, seqs: list[SeqState], ks: list[int]) -> list[Draft]:
-        drafts = [Draft.empty()] * len(seqs)
+    def _propose(self, seqs: list[SeqState], ks: list[int]) -> list[Draft | DraftTree]:
+        drafts: list[Draft | DraftTree] = [Draft.empty()] * len(seqs)
         active = [i for i, k in enumerate(ks) if k > 0]
         if self.proposer is None or not active:
             return drafts
@@ -331,14 +369,14 @@ class SpecEngine:
             [ks[i] for i in active],
         )
         for i, draft in zip(active, proposed, strict=True):
-            if draft.k > ks[i]:
-                raise RuntimeError(
-                    f"proposer returned {draft.k} draft tokens, more than the {ks[i]} asked for"
-                )
+            if _depth(draft) > ks[i]:
+                raise RuntimeError(f"proposer drafted {_depth(draft)} deep, more than the {ks[i]} asked for")
             drafts[i] = draft
         return drafts
 
-    def _commit(self, seq: SeqState, tokens: list[int], num_accepted: int) -> RequestOutput:
+    def _commit(
+        self, seq: SeqState, tokens: list[int], num_accepted: int, hidden: torch.Tensor | None
+    ) -> RequestOutput:
         """Append the step's tokens one at a time (EOS, a stop string or the length limit can cut the
         step short), emit their events, and tell the proposer what was kept."""
         output = RequestOutput(seq.request.request_id)
@@ -375,7 +413,7 @@ class SpecEngine:
             output.finished = True
             self._release(seq)
         elif self.proposer is not None and seq.proposer_state is not None:
-            self.proposer.update(seq.proposer_state, seq.token_ids, num_accepted)
+            self.proposer.update(seq.proposer_state, seq.token_ids, num_accepted, hidden)
         return output
 
     def _release(self, seq: SeqState) -> None:
@@ -388,9 +426,8 @@ class SpecEngine:
         seq.cache = self.target.new_cache()  # drop the KV memory now, not when the caller lets go
 
     def _report(
-        self, seqs: list[SeqState], drafts: list[Draft], accepted: list[int], draft_s: float, target_s: float
+        self, seqs: list[SeqState], drafted: list[int], accepted: list[int], draft_s: float, target_s: float
     ) -> None:
-        drafted = [d.k for d in drafts]
         if self._policy is not None and self._costs is not None:
             self._costs.observe_target(sum(drafted) + len(seqs), target_s)
             levels = [sum(1 for k in drafted if k > j) for j in range(max(drafted, default=0))]
@@ -499,6 +536,17 @@ class SpecEngine:
                 f"{what} needs a tokenizer, and {self.target.name} has none; pass token ids instead"
             )
         return self.tokenizer
+
+
+def _nodes(draft: Draft | DraftTree) -> int:
+    return draft.size if isinstance(draft, DraftTree) else draft.k
+
+
+def _depth(draft: Draft | DraftTree) -> int:
+    """Most tokens the draft can add: its length, or a tree's depth."""
+    if isinstance(draft, DraftTree):
+        return max(draft.depths(), default=0)
+    return draft.k
 
 
 def _generation(request: Request, events: list[TokenEvent]) -> Generation:

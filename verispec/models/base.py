@@ -78,6 +78,7 @@ class CausalLM(Protocol):
         return_hidden: bool = False,
         positions: Sequence[Sequence[int]] | None = None,  # per row; default T_b .. (trees override)
         tree_masks: Sequence[torch.Tensor | None] | None = None,  # per row [S_b, S_b] bool (trees)
+        hidden_to_keep: Sequence[int] | None = None,  # per row, hidden states of its last this-many
     ) -> BatchOutput:
         """Many sequences in one pass. A row's result does not depend on the other rows: batching
         is invisible in the output, to the bit on the batch-invariant paths."""

@@ -86,10 +86,13 @@ class HFCausalLM:
         return_hidden: bool = False,
         positions: Sequence[Sequence[int]] | None = None,
         tree_masks: Sequence[torch.Tensor | None] | None = None,
+        hidden_to_keep: Sequence[int] | None = None,
     ) -> BatchOutput:
         """One decoder pass over several sequences, each appending its own tokens to its own cache.
 
-        Row b's logits are for its last ``logits_to_keep[b]`` new tokens. ``positions`` overrides
+        Row b's logits are for its last ``logits_to_keep[b]`` new tokens (0: none). Hidden states
+        come back for the last ``hidden_to_keep[b]`` tokens, or with ``return_hidden`` for the
+        same tokens as the logits. ``positions`` overrides
         the default positions (cache length onwards), as token trees do; ``tree_masks`` gives each
         row's attention among its new tokens (see :class:`RowBatch`).
         """
@@ -126,13 +129,17 @@ class HFCausalLM:
         hidden = out.last_hidden_state  # [B, S, H]
         kept = [hidden[b, n - k : n] for b, (n, k) in enumerate(zip(lengths, logits_to_keep, strict=True))]
         flat = torch.cat(kept)  # [sum keep, H]
-        logits = self.lm_head(flat).float()
+        logits = self.lm_head(flat).float() if flat.shape[0] else flat.new_zeros(0, self.vocab_size)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        sizes = [h.shape[0] for h in kept]
-        return BatchOutput(
-            logits=list(logits.split(sizes)), hidden=list(flat.split(sizes)) if return_hidden else None
-        )
+        rows: list[torch.Tensor] | None = None
+        if hidden_to_keep is not None:
+            rows = [
+                hidden[b, n - h : n] for b, (n, h) in enumerate(zip(lengths, hidden_to_keep, strict=True))
+            ]
+        elif return_hidden:
+            rows = kept
+        return BatchOutput(logits=list(logits.split([h.shape[0] for h in kept])), hidden=rows)
 
 
 _NO_MASKS = {"full_attention": None, "sliding_attention": None, "chunked_attention": None}

@@ -18,39 +18,56 @@ from verispec.errors import VerispecError
 from verispec.types import Draft
 
 if TYPE_CHECKING:
+    import torch
+
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.verify.tree import DraftTree
 
 
 class Proposer(ABC):
     """Suggests draft tokens for sequences; per-sequence state is returned by :meth:`new_state`."""
 
     name: ClassVar[str]
+    needs_hidden: ClassVar[bool] = False
+    """True for proposers that draft from the target's hidden states (Medusa, EAGLE): the engine
+    then hands them the target's last-layer hidden states of every committed position."""
 
     @abstractmethod
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> Any:
         """Start a sequence with this prompt; the returned object is passed back on every call."""
 
     @abstractmethod
-    def propose(self, state: Any, token_ids: Sequence[int], k: int) -> Draft:
+    def propose(self, state: Any, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
         """Draft up to ``k`` tokens to follow ``token_ids`` (every committed token, prompt included).
 
-        May return fewer than k tokens (even none) when it has nothing good to offer.
+        May return fewer than k tokens (even none) when it has nothing good to offer. A
+        :class:`~verispec.verify.tree.DraftTree` (several candidates per position) may be at most k
+        deep.
         """
 
     def propose_batch(
         self, states: Sequence[Any], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
-    ) -> list[Draft]:
+    ) -> list[Draft | DraftTree]:
         """Draft for several sequences at once (a draft model batches its forwards); one by one here."""
         return [self.propose(s, t, k) for s, t, k in zip(states, token_ids, ks, strict=True)]
 
     @abstractmethod
-    def update(self, state: Any, token_ids: Sequence[int], num_accepted: int) -> None:
+    def update(
+        self, state: Any, token_ids: Sequence[int], num_accepted: int, hidden: torch.Tensor | None = None
+    ) -> None:
         """Tell the proposer what was committed after verification.
 
         ``token_ids`` is the whole committed sequence after this step; ``num_accepted`` is how many of
-        the last draft's tokens the verifier kept (the token after them is the target's own).
+        the last draft's tokens the verifier kept (the token after them is the target's own). For a
+        proposer that :attr:`needs_hidden`, ``hidden`` is ``[num_accepted + 1, H]``: the target's
+        hidden states at the step's pending token and each accepted draft token, i.e. the states
+        whose LM-head outputs gave the step's committed tokens.
         """
+
+    def prefill(self, state: Any, hidden: torch.Tensor) -> None:  # noqa: B027 - optional hook
+        """For proposers that :attr:`needs_hidden`: the target's hidden states ``[n, H]`` of the
+        next n prompt positions, as the engine prefills them (all prompt tokens but the last)."""
 
     def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default
         """Free per-sequence resources (a KV cache) when the sequence finishes."""

@@ -106,7 +106,13 @@ class DraftModelProposer(Proposer):
         probs.append(row)
         return int(sample(row, state.generator))
 
-    def update(self, state: DraftModelState, token_ids: Sequence[int], num_accepted: int) -> None:
+    def update(
+        self,
+        state: DraftModelState,
+        token_ids: Sequence[int],
+        num_accepted: int,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         # The cache holds the committed tokens plus the fed draft tokens (1..k-1 after a full
         # proposal, fewer after an early stop); keep the accepted ones.
         keep = state.fed_before_draft + min(num_accepted, state.fed_drafts)

@@ -113,5 +113,11 @@ class NgramProposer(Proposer):
             return Draft.empty()
         return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
 
-    def update(self, state: NgramState, token_ids: Sequence[int], num_accepted: int) -> None:
+    def update(
+        self,
+        state: NgramState,
+        token_ids: Sequence[int],
+        num_accepted: int,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
         state.sync(token_ids)
