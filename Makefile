@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --disable-pip-version-check -q
 PROMPT ?= Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint browser
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt requirements/models.txt
@@ -17,6 +17,14 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements/models.txt
 demo: setup
 	$(VENV)/bin/verispec generate --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
 	    -k 5 --chat --prompt "$(PROMPT)" --max-new-tokens 96 --show-drafts --compare-plain
+
+# The headless Chromium that tests/server/test_web_page.py drives (Debian's package; Playwright's own
+# browser download is not used). Installs only where /usr/bin/chromium is missing; needs root or sudo.
+browser:
+	@test -x /usr/bin/chromium || { \
+	    SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get update -qq && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 
 test: setup
 	$(PY) -m pytest -q -rs

@@ -1,0 +1,107 @@
+"""``verispec serve`` as a real subprocess: one-line startup errors, then a working server."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.harness import tiny_pair
+
+
+def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "verispec.cli", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    """The tiny target with its tokenizer and chat template, as ``save_pretrained`` writes them."""
+    folder = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    target, _ = tiny_pair()
+    target.model.save_pretrained(folder)
+    target.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and needle in out.stderr
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+
+
+def test_port_in_use_fails_at_once_on_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run_serve("--target", "no-such-model", "--port", str(port))
+    assert_one_line_error(out, f"cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--max-batch-size", "0"], "max_batch_size"),
+        (["--port", "70000"], "--port"),
+        (["--host", "no.such.host.invalid"], "--host"),
+        (["--target", "no-such-model"], "no-such-model"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(args, needle):
+    assert_one_line_error(run_serve("--port", "0", *args), needle)
+
+
+def test_serves_until_interrupted(model_folder, tmp_path):
+    env = {**os.environ, "VERISPEC_CACHE": str(tmp_path / "cache")}
+    command = [
+        sys.executable, "-m", "verispec.cli", "serve", "--target", str(model_folder), "--port", "0",
+        "--method", "ngram", "--depth-policy", "fixed", "--quantization", "none", "--threads", "1",
+        "--served-model-name", "tiny-chat", "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # the first line says where it serves
+        match = re.search(r"serving tiny-chat at (http://\S+) ", line)
+        assert match, line
+        url = match.group(1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+        reply = client.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "hello"}], max_tokens=6
+        )
+        assert reply.usage.completion_tokens == 6
+        assert reply.model_extra["verispec"]["stats"]["output_tokens"] == 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, rest = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode in (0, 130), rest
+    assert "Traceback" not in rest

@@ -1,0 +1,215 @@
+"""The OpenAI API through the official openai client, against a real uvicorn server on a tiny model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    target, draft = tiny_pair()
+    with live_server(make_engine(target, draft, "draft", k=4), name="tiny-spec") as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> openai.OpenAI:
+    return server.client()
+
+
+def stream_chat(client: openai.OpenAI, **kwargs: Any) -> list[Any]:
+    return list(
+        client.chat.completions.create(
+            model="tiny-spec",
+            messages=MESSAGES,
+            stream=True,
+            stream_options={"include_usage": True},
+            **kwargs,
+        )
+    )
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-spec"]
+    card = client.models.retrieve("tiny-spec")
+    assert card.model_extra["max_model_len"] == 512
+    assert card.model_extra["verispec"]["method"] == "draft"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_completion_text_and_token_prompts(client):
+    done = client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=12, temperature=0)
+    choice = done.choices[0]
+    assert done.object == "text_completion" and choice.finish_reason == "length"
+    assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens > 0
+    assert done.usage.total_tokens == done.usage.prompt_tokens + 12
+    stats = done.model_extra["verispec"]["stats"]
+    assert stats["output_tokens"] == 12 and stats["drafted"] > 0
+
+    ids = client.completions.create(model="tiny-spec", prompt=[5, 17, 42, 8], max_tokens=6)
+    assert ids.usage.prompt_tokens == 4 and ids.usage.completion_tokens == 6
+    listed = client.completions.create(model="tiny-spec", prompt=["hello world"], max_tokens=12)
+    assert listed.choices[0].text == choice.text  # a one-prompt list is that prompt
+
+
+def test_completion_stream_matches_the_full_response(client):
+    full = client.completions.create(model="tiny-spec", prompt="The quick brown", max_tokens=20)
+    chunks = list(
+        client.completions.create(
+            model="tiny-spec",
+            prompt="The quick brown",
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    tokens, usage = chunks[:-1], chunks[-1]
+    assert all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in tokens) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in tokens] == [None] * (len(tokens) - 1) + ["length"]
+    assert all(set(c.model_extra["verispec"]) == {"from_draft", "token_id"} for c in tokens)
+    assert usage.choices == [] and usage.usage.completion_tokens == 20
+    assert usage.model_extra["verispec"]["stats"]["output_tokens"] == 20
+
+
+def test_chat_stream_format(client):
+    full = client.chat.completions.create(model="tiny-spec", messages=MESSAGES, max_tokens=16)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    chunks = stream_chat(client, max_tokens=16)
+    role, tokens, usage = chunks[0], chunks[1:-1], chunks[-1]
+    assert role.choices[0].delta.role == "assistant" and "verispec" not in (role.model_extra or {})
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    # One chunk per token with text (none for held-back partial characters), the last always there.
+    assert 1 <= len(tokens) <= 16
+    assert all(c.choices[0].delta.content for c in tokens[:-1])
+    assert "".join(c.choices[0].delta.content or "" for c in tokens) == full.choices[0].message.content
+    assert tokens[-1].choices[0].finish_reason == "length"
+    ids = [c.model_extra["verispec"]["token_id"] for c in tokens]
+    assert all(isinstance(i, int) and 0 <= i < 320 for i in ids)
+    assert usage.usage.completion_tokens == full.usage.completion_tokens == 16
+    assert usage.model_extra["verispec"]["stats"]["output_tokens"] == 16
+
+
+def test_without_include_usage_no_usage_chunk(client):
+    chunks = list(
+        client.chat.completions.create(model="tiny-spec", messages=MESSAGES, max_tokens=5, stream=True)
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_speculation_off_gives_the_same_greedy_output_without_drafts(client, server):
+    drafted_before = server.metric("verispec_draft_tokens_total")
+    on = stream_chat(client, max_tokens=40, temperature=0)
+    drafted_on = server.metric("verispec_draft_tokens_total") - drafted_before
+    off = stream_chat(client, max_tokens=40, temperature=0, extra_body={"speculation": {"enabled": False}})
+    drafted_off = server.metric("verispec_draft_tokens_total") - drafted_before - drafted_on
+
+    def text(chunks: list[Any]) -> str:
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def drafts(chunks: list[Any]) -> int:
+        return sum(c.model_extra["verispec"]["from_draft"] for c in chunks[1:-1])
+
+    assert text(on) == text(off) and text(on)
+    stats_on, stats_off = (c[-1].model_extra["verispec"]["stats"] for c in (on, off))
+    assert stats_on["drafted"] > 0 and stats_on["accepted"] > 0 and stats_on["mean_accepted_length"] > 1
+    assert stats_off["drafted"] == 0 and stats_off["mean_accepted_length"] == 1.0
+    assert drafts(on) > 0 and drafts(off) == 0
+    assert drafted_on == stats_on["drafted"] and drafted_off == 0
+
+    capped = client.completions.create(
+        model="tiny-spec",
+        prompt="hello world",
+        max_tokens=30,
+        extra_body={"speculation": {"num_speculative_tokens": 1}},
+    )
+    stats = capped.model_extra["verispec"]["stats"]
+    assert stats["drafted"] > 0 and len(stats["per_position_acceptance"]) == 1
+
+
+def test_stop_strings_cut_the_output(client):
+    text = client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=40).choices[0].text
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    cut = client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=40, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    def sample(seed: int) -> str:
+        out = client.completions.create(
+            model="tiny-spec", prompt="hello", max_tokens=24, temperature=1.0, top_p=0.9, seed=seed
+        )
+        return out.choices[0].text
+
+    assert sample(7) == sample(7)
+    top_k = client.completions.create(
+        model="tiny-spec", prompt="hello", max_tokens=8, temperature=0.8, extra_body={"top_k": 5}
+    )
+    assert top_k.usage.completion_tokens == 8
+
+
+def test_health_and_metrics(server, client):
+    client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=10)
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in (
+        "verispec_requests_total",
+        "verispec_prompt_tokens_total",
+        "verispec_generation_tokens_total",
+        "verispec_time_to_first_token_seconds_bucket",
+        "verispec_inter_token_latency_seconds_bucket",
+        "verispec_request_latency_seconds_bucket",
+        "verispec_draft_tokens_total",
+        "verispec_accepted_tokens_total",
+        "verispec_acceptance_rate",
+        "verispec_mean_accepted_length",
+        'verispec_position_draft_tokens_total{position="1"}',
+        'verispec_position_accepted_tokens_total{position="1"}',
+        "verispec_batch_size",
+        "verispec_waiting_requests",
+        "verispec_step_mean_depth",
+        "verispec_step_depth_bucket",
+    ):
+        assert name in text, name
+    assert server.metric("verispec_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert server.metric("verispec_time_to_first_token_seconds_count") >= 1
+    drafted = server.metric("verispec_draft_tokens_total")
+    accepted = server.metric("verispec_accepted_tokens_total")
+    assert 0 < accepted < drafted
+    assert server.metric("verispec_acceptance_rate") == pytest.approx(accepted / drafted)
+    assert 1.0 < server.metric("verispec_mean_accepted_length") <= 5.0
+    # Position 1 is drafted at least as often as position 2, and accepted at least as often too.
+    first = server.metric("verispec_position_draft_tokens_total", position="1")
+    second = server.metric("verispec_position_draft_tokens_total", position="2")
+    assert first >= second > 0
+    assert 0 <= server.metric("verispec_step_mean_depth") <= 4  # k=4, less near max_tokens
+    assert server.metric("verispec_batch_size") == 0  # idle now: refreshed at scrape time
+
+
+def test_index_page_is_served_or_404(tmp_path, server):
+    page = tmp_path / "index.html"
+    page.write_text("<!doctype html><title>verispec</title>")
+    target, _ = tiny_pair()
+    with live_server(make_engine(target), static_dir=tmp_path) as live:
+        response = httpx.get(f"{live.url}/")
+        assert response.status_code == 200 and "<title>verispec</title>" in response.text
+        assert response.headers["content-type"].startswith("text/html")
+    page.unlink()
+    with live_server(make_engine(target), static_dir=tmp_path) as live:
+        response = httpx.get(f"{live.url}/")
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"

@@ -1,0 +1,67 @@
+"""Running the server: bind first, load the models, then serve with uvicorn until interrupted.
+
+The listening socket is bound before the (slow) model load and handed to uvicorn, so a port in use
+or a bad host is a one-line :class:`VerispecError` at once, not a uvicorn traceback after a minute.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from verispec.async_engine import AsyncEngine
+from verispec.engine import SpecEngine
+from verispec.errors import VerispecError
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0 picks a free one); VerispecError if impossible."""
+    if not 0 <= port <= 65535:
+        raise VerispecError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise VerispecError(f"cannot resolve --host {host!r}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise VerispecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(
+    engine: SpecEngine,
+    sock: socket.socket,
+    served_model_name: str,
+    *,
+    log_level: str = "info",
+) -> None:
+    """Serve ``engine`` on ``sock`` (from :func:`bind_socket`) until interrupted."""
+    import uvicorn
+
+    from verispec.server.app import create_app
+
+    if engine.proposer is not None:
+        _ = engine.policy  # measure (or load) step costs now, not on the first request
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, served_model_name)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"verispec: serving {served_model_name} at http://{shown}:{port} (OpenAI API under /v1, "
+        f"metrics at /metrics)",
+        file=sys.stderr,
+    )
+    async_engine.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        async_engine.shutdown()
+        sock.close()

@@ -1,0 +1,222 @@
+"""Request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
+so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
+clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
+change the result in ways this server does not implement (``n`` > 1, logprobs, penalties, tools) are
+declared so that a request asking for them gets a 400 that names them, never a silently different
+answer. Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks
+are documented in :mod:`verispec.server`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from verispec.config import MAX_SPECULATIVE_TOKENS
+
+MAX_STOP_STRINGS = 16
+"""More stop strings than this is almost certainly a client bug (OpenAI allows 4)."""
+
+
+def _integral(value: object) -> object:
+    """JSON Schema counts 5.0 as an integer, so the strict models accept it as 5 (but not "5" or 5.5)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(**constraints: int) -> Any:
+    """An int type with ``constraints`` (checked, and shown in the schema) that takes 5.0 as 5."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_integral)]  # Field first: see the schema
+
+
+def only(**schema: Any) -> Any:
+    """A field whose other values the handler refuses with a message naming it (see
+    :func:`verispec.server.translate.reject_unsupported`); the schema says what is accepted."""
+    return Field(default=None, json_schema_extra=schema)
+
+
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]  # type: ignore[valid-type]
+Text = Annotated[str, Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class SpeculationOptions(_Strict):
+    """verispec extension: speculation settings for this request (``extra_body`` in the openai client)."""
+
+    enabled: bool = True
+    """False decodes this request plainly (same output under greedy decoding, no drafts)."""
+    num_speculative_tokens: integer(ge=0, le=MAX_SPECULATIVE_TOKENS) | None = None  # type: ignore[valid-type]
+    """Most draft tokens per step; null keeps the server's -k, values above it are cut to it."""
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    """Send a last chunk with ``usage`` and the speculation statistics before ``[DONE]``."""
+
+
+class SamplingRequest(_Strict):
+    """The fields both generation endpoints share."""
+
+    model: str | None = None
+    """The served model name (``GET /v1/models``); null means the one this server serves."""
+    max_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
+    """Tokens to generate at most; prompt plus max_tokens must fit in the model's context."""
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """0 (the default) is greedy decoding; values below 1e-5 count as 0."""
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: integer(ge=-1) | None = None  # type: ignore[valid-type]
+    """Extension (as in vLLM): keep the k most likely tokens; 0 or -1 disables."""
+    seed: integer(ge=-(2**63), le=2**64 - 1) | None = None  # type: ignore[valid-type]
+    stop: str | list[str] | None = None
+    """Stop strings (the output ends before the first match); needs a model with a tokenizer."""
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
+    """Only 1 is supported."""
+    presence_penalty: float | None = only(enum=[0, None])
+    """Only 0 is supported."""
+    frequency_penalty: float | None = only(enum=[0, None])
+    """Only 0 is supported."""
+    logit_bias: dict[str, float] | None = only(maxProperties=0)
+    """Only empty is supported."""
+    speculation: SpeculationOptions | None = None
+    """verispec extension: per-request speculation settings."""
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Text | TokenIds | list[Text] | list[TokenIds]
+    """Text, or token ids; a list of prompts must hold exactly one (send one request per prompt)."""
+    echo: bool | None = only(enum=[False, None])
+    """Only false is supported."""
+    suffix: str | None = only(enum=[None])
+    """Not supported."""
+    best_of: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
+    """Only 1 is supported."""
+    logprobs: integer() | None = only(enum=[None])  # type: ignore[valid-type]
+    """Not supported."""
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """``developer`` (OpenAI's newer name for ``system``) is sent to the template as ``system``."""
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``; the messages go through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
+    """OpenAI's newer name for max_tokens; give one or the other."""
+    logprobs: bool | None = only(enum=[False, None])
+    """Only false is supported."""
+    top_logprobs: integer() | None = only(enum=[None])  # type: ignore[valid-type]
+    """Not supported."""
+    tools: list[dict[str, Any]] | None = only(maxItems=0)
+    """Not supported."""
+    response_format: dict[str, Any] | None = only(properties={"type": {"enum": ["text"]}})
+    """Only ``{"type": "text"}`` is supported."""
+
+
+# --------------------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class StatsExtension(BaseModel):
+    """verispec extension on responses: the request's speculation statistics
+    (:meth:`verispec.metrics.SpecStats.to_dict`: drafted, accepted, acceptance_rate,
+    mean_accepted_length, per_position_acceptance, tokens_per_second, seconds)."""
+
+    stats: dict[str, Any]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    verispec: StatsExtension
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    verispec: StatsExtension
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "verispec"
+    max_model_len: int
+    """The model's context in tokens: prompt plus max_tokens must fit in it."""
+    verispec: dict[str, Any]
+    """The speculation setup: target, draft, method, num_speculative_tokens, depth policy."""
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body; ``type`` is ``invalid_request_error`` for every 4xx caused by the input."""
+
+    error: ErrorInfo
+
+
+class Health(BaseModel):
+    status: Literal["ok"]

@@ -1,0 +1,323 @@
+"""Between OpenAI bodies and the engine: requests in, responses and stream chunks out.
+
+:func:`build_request` turns a validated body into an engine :class:`~verispec.engine.Request`. It
+tokenizes, so it runs on the engine thread (through :meth:`AsyncEngine.call`): Hugging Face fast
+tokenizers are not safe to use from two threads at once, and the engine thread detokenizes every
+step. Every refusal it raises is an :class:`APIError` naming the offending field. The rest of this
+module formats what the engine produced (see :mod:`verispec.server` for the stream format).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from verispec.engine import Request, SpecEngine
+from verispec.errors import VerispecError
+from verispec.metrics import SpecStats
+from verispec.server.errors import APIError
+from verispec.server.protocol import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingRequest,
+)
+from verispec.types import TokenEvent
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily (as vLLM does): dividing logits by a subnormal number
+overflows to inf and the softmax to NaN."""
+
+MAX_CHARS_PER_TOKEN = 64
+"""A text prompt longer than context x this many characters cannot fit (no tokenizer's tokens are
+that long on average), so it is refused before spending time tokenizing megabytes."""
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions; chat defaults to the rest of the context."""
+
+Kind = Literal["completion", "chat"]
+
+
+def check_model(body: SamplingRequest, served: str) -> None:
+    if body.model is not None and body.model != served:
+        raise APIError(
+            404,
+            f"The model `{body.model}` does not exist; this server serves `{served}` (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def reject_unsupported(body: SamplingRequest) -> None:
+    """400 for options that would change the answer in ways this server does not implement."""
+    refusals: list[tuple[bool, str, str]] = [
+        (body.n not in (None, 1), "n", "only n=1 is supported; send several requests (with seeds) instead"),
+        (bool(body.presence_penalty), "presence_penalty", "presence_penalty is not supported (only 0)"),
+        (bool(body.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported (only 0)"),
+        (bool(body.logit_bias), "logit_bias", "logit_bias is not supported"),
+    ]
+    if isinstance(body, CompletionRequest):
+        refusals += [
+            (bool(body.echo), "echo", "echo is not supported"),
+            (body.suffix is not None, "suffix", "suffix is not supported"),
+            (body.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
+            (body.logprobs is not None, "logprobs", "logprobs are not supported"),
+        ]
+    if isinstance(body, ChatCompletionRequest):
+        fmt = (body.response_format or {}).get("type", "text")
+        refusals += [
+            (bool(body.logprobs), "logprobs", "logprobs are not supported"),
+            (body.top_logprobs is not None, "top_logprobs", "logprobs are not supported"),
+            (bool(body.tools), "tools", "tools are not supported"),
+            (fmt != "text", "response_format", 'only response_format {"type": "text"} is supported'),
+        ]
+    for refused, param, message in refusals:
+        if refused:
+            raise APIError(400, message, param=param, code="unsupported_parameter")
+
+
+def single_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request (OpenAI also takes a list of prompts)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(
+                400,
+                f"send one prompt per request (got a list of {len(prompt)}); requests run in parallel",
+                param="prompt",
+            )
+        return prompt[0]  # type: ignore[return-value]
+    return prompt  # type: ignore[return-value]
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as chat templates expect them: text content, ``developer`` as ``system``."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request: Request
+    prompt_tokens: int
+
+
+def build_request(
+    engine: SpecEngine,
+    body: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+) -> Prepared:
+    """Tokenize and validate ``body`` into an engine request (call on the engine thread)."""
+    if isinstance(body, ChatCompletionRequest):
+        ids, source = _chat_ids(engine, body), "messages"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    else:
+        ids, source = _prompt_ids(engine, single_prompt(body)), "prompt"
+        max_tokens = body.max_tokens
+    context = engine.target.max_context
+    if not ids:
+        raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=source)
+    if len(ids) >= context:
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens but the model's context is {context} tokens; shorten it",
+            param=source,
+            code="context_length_exceeded",
+        )
+    room = context - len(ids)
+    if max_tokens is None:
+        max_tokens = (
+            room if isinstance(body, ChatCompletionRequest) else min(COMPLETION_DEFAULT_MAX_TOKENS, room)
+        )
+    elif max_tokens > room:
+        raise APIError(
+            400,
+            f"max_tokens is {max_tokens} but the prompt's {len(ids)} tokens leave room for {room} "
+            f"in the model's context of {context} tokens",
+            param="max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens",
+            code="context_length_exceeded",
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must not be empty", param="stop")
+    temperature = body.temperature or 0.0
+    spec = body.speculation
+    try:
+        request = engine.make_request(
+            ids,
+            max_new_tokens=max_tokens,
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            top_k=max(0, body.top_k or 0),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=stop,
+            num_speculative_tokens=None
+            if spec is None
+            else (spec.num_speculative_tokens if spec.enabled else 0),
+            request_id=request_id,
+        )
+    except VerispecError as exc:
+        raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
+    return Prepared(request, len(ids))
+
+
+def _prompt_ids(engine: SpecEngine, prompt: str | list[int]) -> list[int]:
+    limit = engine.target.max_context * MAX_CHARS_PER_TOKEN
+    if isinstance(prompt, str) and len(prompt) > limit:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt)} characters, far more than the model's context of "
+            f"{engine.target.max_context} tokens can hold; shorten it",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    try:
+        return engine.encode(prompt)
+    except VerispecError as exc:
+        raise APIError(400, str(exc), param="prompt") from exc
+
+
+def _chat_ids(engine: SpecEngine, body: ChatCompletionRequest) -> list[int]:
+    messages = chat_messages(body.messages)
+    limit = engine.target.max_context * MAX_CHARS_PER_TOKEN
+    if sum(len(m["content"]) for m in messages) > limit:
+        raise APIError(
+            400,
+            "the messages are far longer than the model's context",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    try:
+        return engine.apply_chat_template(messages)
+    except VerispecError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+    except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
+        raise APIError(
+            400, f"the chat template cannot render these messages: {exc}", param="messages"
+        ) from exc
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine validation message is about (they start with the setting's name)."""
+    for setting, param in (
+        ("temperature", "temperature"),
+        ("top_k", "top_k"),
+        ("top_p", "top_p"),
+        ("num_speculative_tokens", "speculation.num_speculative_tokens"),
+        ("stop", "stop"),
+        ("max_new_tokens", "max_tokens"),
+    ):
+        if message.startswith(setting):
+            return param
+    return None
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def openai_finish_reason(event: TokenEvent) -> str:
+    """OpenAI knows 'stop' and 'length'; the model's EOS is a 'stop'."""
+    return "length" if event.finish_reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def full_response(
+    kind: Kind, request_id: str, created: int, model: str, events: list[TokenEvent], prompt_tokens: int
+) -> dict[str, Any]:
+    """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`)."""
+    last = events[-1]
+    stats = last.stats or SpecStats()
+    text = "".join(e.text for e in events)
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": openai_finish_reason(last)}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {
+        "id": request_id,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(prompt_tokens, len(events)),
+        "verispec": {"stats": stats.to_dict()},
+    }
+
+
+@dataclass(frozen=True)
+class ChunkWriter:
+    """Server-sent events of one streamed request, in the format of :mod:`verispec.server`."""
+
+    kind: Kind
+    request_id: str
+    created: int
+    model: str
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        payload = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return sse(payload)
+
+    def role(self) -> str | None:
+        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
+        if self.kind != "chat":
+            return None
+        return self._chunk(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
+
+    def token(self, event: TokenEvent) -> str | None:
+        """One chunk per token with text; None for an empty-text token that is not the last."""
+        if not event.text and event.finish_reason is None:
+            return None
+        finish = openai_finish_reason(event) if event.finish_reason is not None else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.kind == "chat":
+            choice["delta"] = {"content": event.text}
+        else:
+            choice["text"] = event.text
+        return self._chunk([choice], verispec={"from_draft": event.from_draft, "token_id": event.token_id})
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> str:
+        return self._chunk(
+            [],
+            usage=usage(prompt_tokens, completion_tokens),
+            verispec={"stats": (stats or SpecStats()).to_dict()},
+        )
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
