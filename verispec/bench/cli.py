@@ -1,4 +1,6 @@
-"""``verispec bench`` (speedups on prompt sets), ``bench forward`` (the verify-cost curve) and ``plan``.
+"""``verispec bench`` (speedups on prompt sets), ``bench forward`` (the verify-cost curve), ``plan``,
+``bench serve`` (the server under concurrent users, per depth policy) and ``bench soak`` (the server
+under many requests with hang-ups: nothing lost, no memory growth).
 
 The top-level CLI only registers this subcommand (:func:`add_parser`) and calls :func:`run`; every
 flag maps onto :class:`~verispec.bench.settings.BenchSettings`, which validates them all before a
@@ -91,7 +93,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "and measure only the rest",
     )
 
-    steps = bench.add_subparsers(dest="bench_command", metavar="{forward,plan}")
+    steps = bench.add_subparsers(dest="bench_command", metavar="{forward,plan,quality,serve,soak}")
     forward = steps.add_parser(
         "forward",
         help="time one forward pass appending k tokens to a KV cache (the verify-cost curve)",
@@ -121,6 +123,114 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     )
     quality.add_argument(
         "--out", type=Path, default=Path("results"), help="output folder (created if needed)"
+    )
+    _add_serve_parser(steps, default_target)
+    _add_soak_parser(steps, default_target)
+
+
+def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, out: str) -> None:
+    """Flags shared by ``bench serve`` and ``bench soak``: the server's models and the prompts."""
+    parser.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    parser.add_argument("--draft", default=None, help="draft model (same vocabulary as the target)")
+    parser.add_argument(
+        "-k", "--num-speculative-tokens", type=int, default=5, help="most draft tokens per step"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="the server's CPU threads (default: PyTorch's)"
+    )
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="the server's --max-batch-size (default: the most users)",
+    )
+    parser.add_argument(
+        "--dataset",
+        default="spec_bench",
+        choices=DATASETS,
+        help="prompt set (a chat prompt's first turn is sent)",
+    )
+    parser.add_argument("--categories", type=_csv, default=None, help="comma list of categories to keep")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt order")
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="folder with spec_bench/, mt_bench/, humaneval/"
+    )
+    parser.add_argument(
+        "--server-args",
+        type=shlex.split,
+        default=[],
+        help="more `verispec serve` flags, one quoted string: --server-args='--draft-p-min 0.2'",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds to wait for the server's /health"
+    )
+    parser.add_argument("--out", type=Path, default=Path(out), help="output folder (created if needed)")
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="throughput, TTFT and per-user tok/s of `verispec serve` under 1..N users, per depth policy",
+        description="For each policy, start `verispec serve` in a separate process on a free loopback port "
+        "(plain = --method none; fixed and adaptive = --depth-policy with -k), warm it up, and send "
+        "--requests-per-level streaming greedy requests from each number of concurrent users in "
+        "--concurrency. Writes results.json, report.md, PNG plots and the servers' logs to --out.",
+    )
+    _served_bench_flags(serve, default_target, "results/serve")
+    serve.add_argument("--method", default=None, choices=["ngram", "draft"], help="default: draft if --draft")
+    serve.add_argument(
+        "--policies",
+        type=_csv,
+        default=["plain", "fixed", "adaptive"],
+        help="comma list of plain, fixed, adaptive",
+    )
+    serve.add_argument(
+        "--concurrency", type=_ints, default=[1, 2, 4, 8, 16], help="comma list of user counts"
+    )
+    serve.add_argument(
+        "--requests-per-level",
+        type=int,
+        default=None,
+        help="requests sent at each level (default: max(12, 2 x users))",
+    )
+    serve.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
+    serve.add_argument(
+        "--repeats", type=int, default=1, help="runs of every level (their spread is the noise)"
+    )
+    serve.add_argument("--warmup", type=int, default=4, help="untimed requests per server before the levels")
+    serve.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds a request may wait for its next chunk"
+    )
+
+
+def _add_soak_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
+    soak = sub.add_parser(
+        "soak",
+        help="many requests, some clients hanging up: nothing lost, server idle and no RSS growth after",
+        description="Start `verispec serve`, send --requests streaming requests from --concurrency users, "
+        "a random --disconnect-fraction of which close the connection after a few chunks; check that every "
+        "other request finished, the server is healthy and idle, and its RSS did not grow after the warm-up. "
+        "Writes soak.json to --out; exits 1 if a check fails.",
+    )
+    _served_bench_flags(soak, default_target, "results/soak")
+    soak.add_argument(
+        "--method", default=None, choices=["ngram", "draft", "none"], help="default: draft if --draft"
+    )
+    soak.add_argument("--depth-policy", default="adaptive", choices=["adaptive", "fixed"])
+    soak.add_argument("--requests", type=int, default=200, help="requests after the warm-up")
+    soak.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request")
+    soak.add_argument("--concurrency", type=int, default=8, help="concurrent users")
+    soak.add_argument("--disconnect-fraction", type=float, default=0.25, help="share of clients that hang up")
+    soak.add_argument(
+        "--warmup", type=int, default=None, help="requests before the RSS baseline (default 2 per user)"
+    )
+    soak.add_argument("--rss-tolerance-pct", type=float, default=10.0, help="RSS growth allowed, in %%")
+    soak.add_argument(
+        "--rss-tolerance-mb",
+        type=float,
+        default=100.0,
+        help="RSS growth allowed, in MB (the larger one applies)",
     )
 
 
@@ -159,6 +269,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         return run_plan(args)
     if getattr(args, "bench_command", None) == "quality":
         return _quality(args, command)
+    if getattr(args, "bench_command", None) == "serve":
+        return _serve(args, command)
+    if getattr(args, "bench_command", None) == "soak":
+        return _soak(args, command)
     return _bench(args, command)
 
 
@@ -226,6 +340,94 @@ def _quality(args: argparse.Namespace, command: str) -> int:
     )
     print(report.summary())
     return 0
+
+
+def _need_http_client() -> None:
+    """``bench serve`` and ``bench soak`` talk to the server with httpx: say so before anything starts."""
+    if importlib.util.find_spec("httpx") is None:
+        raise VerispecError("bench serve and bench soak need httpx: pip install httpx (or verispec[all])")
+
+
+def _serve(args: argparse.Namespace, command: str) -> int:
+    _need_http_client()
+    from verispec.bench.report import text_table
+    from verispec.bench.serve import ServeBenchSettings, results_dict, run_serve_bench, write_results
+    from verispec.bench.serve_report import HEADER, report_markdown, table_rows, write_plots
+
+    settings = ServeBenchSettings(
+        target=args.target,
+        draft=args.draft,
+        method=args.method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        policies=tuple(args.policies),
+        concurrency=tuple(args.concurrency),
+        requests_per_level=args.requests_per_level,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        dataset=args.dataset,
+        categories=tuple(args.categories) if args.categories else None,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        threads=args.threads,
+        quantization=args.quantization,
+        max_batch_size=args.max_batch_size,
+        server_args=tuple(args.server_args),
+        startup_timeout=args.startup_timeout,
+        request_timeout=args.request_timeout,
+    )
+    run = run_serve_bench(settings, command, args.out)
+    summaries = run.summaries
+    plots = []
+    if importlib.util.find_spec("matplotlib") is not None:
+        title = f"{settings.target}, {settings.speculative_method}, k={settings.num_speculative_tokens}"
+        plots = write_plots(summaries, args.out, title)
+    else:
+        print(
+            "verispec: matplotlib is not installed, no plots (pip install verispec[bench])", file=sys.stderr
+        )
+    results = write_results(run, args.out)
+    report = args.out / "report.md"
+    report.write_text(report_markdown(results_dict(run), summaries, plots))
+    print(text_table(table_rows(summaries), HEADER))
+    failed = sum(level.failed for level in run.levels)
+    if failed:
+        print(f"{failed} request(s) failed: see {results}")
+    print(f"wrote {results}, {report} and {len(plots)} plots", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _soak(args: argparse.Namespace, command: str) -> int:
+    _need_http_client()
+    from verispec.bench.soak import SoakSettings, run_soak, summary
+
+    settings = SoakSettings(
+        target=args.target,
+        draft=args.draft,
+        method=args.method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        depth_policy=args.depth_policy,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        disconnect_fraction=args.disconnect_fraction,
+        warmup=args.warmup,
+        dataset=args.dataset,
+        categories=tuple(args.categories) if args.categories else None,
+        seed=args.seed,
+        data_dir=args.data_dir,
+        threads=args.threads,
+        quantization=args.quantization,
+        max_batch_size=args.max_batch_size,
+        rss_tolerance_pct=args.rss_tolerance_pct,
+        rss_tolerance_mb=args.rss_tolerance_mb,
+        server_args=tuple(args.server_args),
+        startup_timeout=args.startup_timeout,
+    )
+    result = run_soak(settings, command, args.out)
+    print(summary(result))
+    print(f"wrote {args.out / 'soak.json'}", file=sys.stderr)
+    return 0 if result["passed"] else 1
 
 
 def _read_json(path: Path, made_by: str) -> dict:

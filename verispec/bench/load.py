@@ -1,0 +1,240 @@
+"""Client side of the serving benchmarks: streaming OpenAI requests sent by concurrent users.
+
+A *level* is a closed loop: ``concurrency`` simulated users each send one streaming request, wait
+for its last chunk, and send the next, until ``len(prompts)`` requests are done. Closed-loop load
+(rather than requests at a fixed arrival rate) keeps exactly ``concurrency`` requests in the server
+for most of the level, which is what "batch size" means to the engine; the tail, where fewer are
+left, is why a level should hold several requests per user.
+
+Times are client-side wall clock (``time.perf_counter``): time to first token counts from sending
+the request to the first chunk that carries a token (an OpenAI stream may open with a role-only
+chunk; that is not a token). Token counts come from the ``usage`` of the last chunk, which the
+request asks for with ``stream_options.include_usage``; the chunks' own count is the fallback.
+
+Only ``httpx`` is needed here (the ``openai`` client would hide the chunk timings and the verispec
+fields behind its own types).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from verispec.bench.datasets import BenchPrompt
+
+FINISH_REASONS = ("stop", "length")
+"""What a request that ran to its end reports (the server maps EOS to ``stop``)."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send: which prompt, how long, and whether this client hangs up early."""
+
+    prompt: BenchPrompt
+    max_tokens: int
+    disconnect_after: int | None = None
+    """Close the connection after this many token chunks (a user who leaves); None reads to the end."""
+    speculation: dict[str, Any] | None = None
+    """The verispec ``speculation`` extension field, or None to use the server's settings."""
+
+
+@dataclass
+class RequestResult:
+    """What one client saw. ``seconds`` runs from sending to the end of the stream (or the hang-up)."""
+
+    prompt_id: str
+    category: str
+    ok: bool = False
+    """The stream ended with a finish reason and ``[DONE]`` (or the client hung up on purpose)."""
+    disconnected: bool = False
+    """The client closed the connection on purpose before the end."""
+    status: int | None = None
+    ttft: float | None = None
+    seconds: float = 0.0
+    output_tokens: int = 0
+    token_chunks: int = 0
+    draft_tokens: int = 0
+    """Tokens whose chunk says ``from_draft`` (accepted draft tokens)."""
+    finish_reason: str | None = None
+    error: str | None = None
+    stats: dict[str, Any] | None = None
+    """The ``verispec.stats`` of the usage chunk (drafted, accepted, target_forward_passes, ...)."""
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """What this user experienced: output tokens over the whole request, queueing and prefill included."""
+        return self.output_tokens / self.seconds if self.ok and self.seconds > 0 else None
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first over the time after the first (time per output token, inverted)."""
+        if not self.ok or self.ttft is None or self.output_tokens < 2 or self.seconds <= self.ttft:
+            return None
+        return (self.output_tokens - 1) / (self.seconds - self.ttft)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["tokens_per_second"] = self.tokens_per_second
+        out["decode_tokens_per_second"] = self.decode_tokens_per_second
+        return out
+
+
+@dataclass
+class LevelRun:
+    """The requests of one closed-loop level and its wall time (first send to last end)."""
+
+    concurrency: int
+    wall_seconds: float
+    results: list[RequestResult] = field(default_factory=list)
+
+
+def request_body(spec: RequestSpec, model: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The endpoint path and JSON body of ``spec``: chat prompts go through the chat template.
+
+    Only a chat prompt's first user turn is sent: later turns need the model's own earlier answer,
+    and a load generator measures the server, not a conversation.
+    """
+    body: dict[str, Any] = {
+        "max_tokens": spec.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model is not None:
+        body["model"] = model
+    if spec.speculation is not None:
+        body["speculation"] = spec.speculation
+    if spec.prompt.chat:
+        body["messages"] = [{"role": "user", "content": spec.prompt.turns[0]}]
+        return "/v1/chat/completions", body
+    body["prompt"] = spec.prompt.turns[0]
+    return "/v1/completions", body
+
+
+def parse_chunk(data: str) -> dict[str, Any] | None:
+    """The JSON of one SSE ``data:`` payload, or None for the ``[DONE]`` sentinel."""
+    if data.strip() == "[DONE]":
+        return None
+    return json.loads(data)
+
+
+def apply_chunk(result: RequestResult, chunk: dict[str, Any], elapsed: float) -> bool:
+    """Fold one stream chunk into ``result``; True when it carried a token.
+
+    A chunk carries a token when it has the verispec ``token_id`` or non-empty text: the opening
+    role-only chunk of a chat stream and the final usage chunk do not.
+    """
+    if "error" in chunk:
+        error = chunk["error"]
+        result.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+        return False
+    if chunk.get("usage"):
+        result.output_tokens = int(chunk["usage"].get("completion_tokens", result.output_tokens))
+    extension = chunk.get("verispec") or {}
+    if isinstance(extension.get("stats"), dict):
+        result.stats = extension["stats"]
+    token = False
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        text = choice.get("text", delta.get("content"))
+        if "token_id" in extension or text:
+            token = True
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+    if token:
+        result.token_chunks += 1
+        result.draft_tokens += bool(extension.get("from_draft"))
+        if result.ttft is None:
+            result.ttft = elapsed
+    return token
+
+
+async def send(client: httpx.AsyncClient, spec: RequestSpec, model: str | None = None) -> RequestResult:
+    """Send ``spec`` as a streaming request and read it to the end (or hang up as it asks).
+
+    Never raises for a failed request: the failure is the result (``ok`` False, ``error`` set), so
+    one bad request cannot hide the others' measurements. Cancellation still propagates.
+    """
+    path, body = request_body(spec, model)
+    result = RequestResult(prompt_id=spec.prompt.id, category=spec.prompt.category)
+    start = time.perf_counter()
+    done = False
+    try:
+        async with client.stream("POST", path, json=body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:300]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                chunk = parse_chunk(line[5:])
+                if chunk is None:
+                    done = True
+                    break
+                token = apply_chunk(result, chunk, time.perf_counter() - start)
+                if result.error is not None:
+                    break
+                # Leaving a stream whose last token has come is no hang-up: read it to the end.
+                leave = spec.disconnect_after is not None and result.token_chunks >= spec.disconnect_after
+                if token and leave and result.finish_reason is None:
+                    result.disconnected = True
+                    break
+            # Leaving the ``async with`` before the body ends closes the connection: the server sees
+            # the client go, as it would when a browser tab closes.
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.seconds = time.perf_counter() - start
+    if result.output_tokens < result.token_chunks:
+        result.output_tokens = result.token_chunks  # no usage chunk (hung up, or an error)
+    if result.error is None and not result.disconnected:
+        if not done:
+            result.error = "the stream ended without [DONE]"
+        elif result.finish_reason not in FINISH_REASONS:
+            result.error = f"the stream ended with finish_reason {result.finish_reason!r}"
+    result.ok = result.error is None
+    return result
+
+
+async def run_level(
+    client: httpx.AsyncClient, specs: Sequence[RequestSpec], concurrency: int, model: str | None = None
+) -> LevelRun:
+    """Send ``specs`` from ``concurrency`` closed-loop users; results come back in ``specs`` order."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    results: list[RequestResult | None] = [None] * len(specs)
+    next_index = 0
+
+    async def user() -> None:
+        nonlocal next_index
+        while next_index < len(specs):
+            index = next_index
+            next_index += 1  # no await in between: the event loop runs one user at a time
+            results[index] = await send(client, specs[index], model)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(min(concurrency, len(specs)))))
+    wall = time.perf_counter() - start
+    return LevelRun(concurrency, wall, [r for r in results if r is not None])
+
+
+def client_for(base_url: str, concurrency: int, timeout: float) -> httpx.AsyncClient:
+    """An HTTP client with a connection per user, so no request waits for a pooled connection.
+
+    ``timeout`` bounds each read (the gap between two chunks, or the wait for the first one), not the
+    whole request: a long generation is fine, a stalled server is an error.
+    """
+    return httpx.AsyncClient(
+        base_url=base_url,
+        timeout=httpx.Timeout(timeout, connect=30.0),
+        limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
+        trust_env=False,  # a proxy from the environment must not sit between the bench and loopback
+    )

@@ -1,0 +1,350 @@
+"""``verispec bench serve``: throughput and latency of the server under concurrent users, per depth policy.
+
+For each policy a fresh ``verispec serve`` process starts on a free loopback port (see
+:mod:`verispec.bench.server_proc`), is warmed up, and then serves every concurrency level in turn:
+closed-loop streaming users (:mod:`verispec.bench.load`) send Spec-Bench prompts, the same ones to
+every policy, and the server's ``/metrics`` counters, scraped before and after each level, give the depth
+the policy chose. Repeats run all levels again (repeat outer, level inner), so a level's repeats
+are spread over the server's run and their spread shows the noise.
+
+Policies:
+
+- ``plain``: a server started with ``--method none`` (no proposer, no draft model loaded). A
+  speculative server with speculation switched off per request would also decode plainly, but it
+  would still hold the draft model in memory and run the speculative bookkeeping; the baseline is
+  what a user would run without speculation.
+- ``fixed``: ``--depth-policy fixed -k K``: every sequence drafts K tokens every step.
+- ``adaptive``: ``--depth-policy adaptive -k K``: K is the most; the policy chooses per sequence
+  and step from measured costs and acceptance.
+
+Every policy gets its own server process, so no state (metrics, acceptance estimates, caches)
+carries from one to the next, and only one model set is in memory at a time.
+
+Requests per level default to ``max(12, 2 x users)``: at one user a dozen requests already average
+over prompts, while at 16 users a level must hold at least two requests per user, or the level
+is mostly the ramp-down of its slowest request. Each level sends the first N prompts of one list,
+ordered so that every prefix mixes the categories evenly (:func:`pick_prompts`): Spec-Bench's
+summarization and RAG prompts are ten times longer than the others, and a level that drew more of
+them would measure prefill, not concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from verispec.bench import environment
+from verispec.bench.datasets import DATASETS, BenchPrompt, load_dataset
+from verispec.bench.load import RequestSpec, client_for, run_level
+from verispec.bench.scrape import Scrape, parse_metrics, spec_delta
+from verispec.bench.serve_stats import LevelStats, LevelSummary, level_stats, summarize
+from verispec.bench.server_proc import RssSampler, ServerProcess, server_flags
+from verispec.config import MAX_SPECULATIVE_TOKENS
+from verispec.errors import VerispecError
+
+SCHEMA = "verispec-bench-serve/1"
+POLICIES = ("plain", "fixed", "adaptive")
+PLAIN_IS = "a separate server started with --method none (no proposer or draft model loaded)"
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class ServeBenchSettings:
+    """Everything ``bench serve`` is asked to do; :meth:`validate` checks it before any server starts."""
+
+    target: str
+    draft: str | None = None
+    method: str | None = None
+    """``ngram`` or ``draft``; None means ``draft`` with a draft model, else ``ngram``."""
+    num_speculative_tokens: int = 5
+    policies: tuple[str, ...] = POLICIES
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
+    requests_per_level: int | None = None
+    """Requests sent at every level; None means ``max(12, 2 x users)`` for each level."""
+    max_tokens: int = 128
+    repeats: int = 1
+    warmup: int = 4
+    dataset: str = "spec_bench"
+    categories: tuple[str, ...] | None = None
+    seed: int = 0
+    data_dir: Path | None = None
+    threads: int | None = None
+    quantization: str = "auto"
+    max_batch_size: int | None = None
+    """The server's ``--max-batch-size``; None means the largest concurrency (every user decodes at once)."""
+    server_args: tuple[str, ...] = ()
+    """More ``verispec serve`` flags, passed to every policy's server."""
+    startup_timeout: float = 900.0
+    request_timeout: float = 600.0
+
+    @property
+    def speculative_method(self) -> str:
+        return self.method or ("draft" if self.draft else "ngram")
+
+    @property
+    def batch_size(self) -> int:
+        return self.max_batch_size or max(self.concurrency)
+
+    def requests_at(self, concurrency: int) -> int:
+        """Requests sent at the level with ``concurrency`` users."""
+        return self.requests_per_level or max(12, 2 * concurrency)
+
+    def validate(self) -> None:
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown or not self.policies:
+            raise VerispecError(f"--policies: choose from {', '.join(POLICIES)}, got {', '.join(unknown)}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise VerispecError("--concurrency: every level must be >= 1")
+        for name in ("max_tokens", "repeats", "batch_size"):
+            if getattr(self, name) < 1:
+                raise VerispecError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise VerispecError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.requests_per_level is not None and self.requests_per_level < 1:
+            raise VerispecError(f"--requests-per-level must be >= 1, got {self.requests_per_level}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise VerispecError(f"-k must be between 1 and {MAX_SPECULATIVE_TOKENS}")
+        if self.speculative_method not in ("ngram", "draft"):
+            raise VerispecError(f"--method must be ngram or draft, got {self.speculative_method!r}")
+        if self.speculative_method == "draft" and not self.draft:
+            raise VerispecError("--method draft needs --draft")
+        if self.dataset not in DATASETS:
+            raise VerispecError(f"--dataset: choose one of {', '.join(DATASETS)}")
+
+    def server_args_for(self, policy: str) -> list[str]:
+        """The ``verispec serve`` flags of ``policy`` (host and port are added by the process)."""
+        return server_flags(
+            self.target,
+            method="none" if policy == "plain" else self.speculative_method,
+            draft=self.draft,
+            num_speculative_tokens=self.num_speculative_tokens,
+            depth_policy=policy,
+            threads=self.threads,
+            quantization=self.quantization,
+            max_batch_size=self.batch_size,
+            max_waiting=max(
+                64, max(self.concurrency)
+            ),  # a level never has more requests in flight than users
+            extra=self.server_args,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["data_dir"] = str(self.data_dir) if self.data_dir else None
+        out["method"] = self.speculative_method
+        out["max_batch_size"] = self.batch_size
+        out["plain_is"] = PLAIN_IS
+        return out
+
+
+def pick_prompts(
+    dataset: str,
+    count: int,
+    *,
+    data_dir: Path | None = None,
+    categories: Sequence[str] | None = None,
+    seed: int = 0,
+) -> list[BenchPrompt]:
+    """``count`` prompts taking the categories in turn, each category's in a seeded random order,
+    cycling if the set is smaller: any first N hold every category about N / categories times."""
+    prompts = load_dataset(
+        dataset,  # type: ignore[arg-type]
+        data_dir=data_dir,
+        categories=list(categories) if categories else None,
+    )
+    if not prompts:
+        raise VerispecError(f"no prompts in {dataset} match the given categories")
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    rng = random.Random(seed)
+    for group in by_category.values():
+        rng.shuffle(group)
+    interleaved = [p for row in itertools.zip_longest(*by_category.values()) for p in row if p is not None]
+    return list(itertools.islice(itertools.cycle(interleaved), count))
+
+
+async def scrape(client: httpx.AsyncClient) -> Scrape | None:
+    """The server's ``/metrics``, or None where it has none (the numbers then come from usage chunks)."""
+    try:
+        response = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_metrics(response.text) if response.status_code == 200 else None
+
+
+Progress = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+async def _bench_policy(
+    server: ServerProcess,
+    settings: ServeBenchSettings,
+    prompts: Sequence[BenchPrompt],
+    warmup: Sequence[BenchPrompt],
+    policy: str,
+    progress: Progress,
+) -> tuple[list[tuple[LevelStats, dict[str, Any]]], RssSampler]:
+    """Warm ``server`` up on ``warmup``, then run every repeat of every level on the first prompts;
+    the stats with their raw records."""
+    specs = [RequestSpec(prompt, settings.max_tokens) for prompt in prompts]  # level N sends the first N
+    users = max(settings.concurrency)
+    out: list[tuple[LevelStats, dict[str, Any]]] = []
+    sampler = RssSampler(server.pid)
+    sampler.start()
+    try:
+        async with client_for(server.base_url, users, settings.request_timeout) as client:
+            models = await client.get("/v1/models")
+            if models.status_code == 200:  # what the server says it runs: the record of what was measured
+                server.models = models.json().get("data")
+            if warmup:
+                warm = [RequestSpec(prompt, settings.max_tokens) for prompt in warmup]
+                run = await run_level(client, warm, min(len(warm), users))
+                bad = [r.error for r in run.results if not r.ok]
+                if bad:
+                    raise VerispecError(f"{policy}: warm-up request failed: {bad[0]}")
+            for repeat in range(settings.repeats):
+                for concurrency in settings.concurrency:
+                    before = await scrape(client)
+                    run = await run_level(client, specs[: settings.requests_at(concurrency)], concurrency)
+                    after = await scrape(client)
+                    if not server.alive():
+                        raise VerispecError(
+                            f"the {policy} server died; its log ends with:\n{server.log_tail()}"
+                        )
+                    delta = spec_delta(before, after) if before and after else None
+                    stats = level_stats(policy, repeat, run, delta)
+                    record = {
+                        **stats.to_dict(),
+                        "metrics": delta.to_dict() if delta else None,
+                        "requests": [r.to_dict() for r in run.results],
+                    }
+                    out.append((stats, record))
+                    progress(_progress_line(stats, settings.repeats))
+                    if stats.failed:
+                        first = next(r for r in run.results if not r.ok)
+                        progress(f"  {stats.failed} request(s) failed, e.g. {first.error}")
+    finally:
+        await sampler.stop()
+    return out, sampler
+
+
+def _progress_line(s: LevelStats, repeats: int) -> str:
+    ttft = f"{s.ttft_mean:.2f}" if s.ttft_mean is not None else "-"
+    depth = f"{s.mean_depth:.2f}" if s.mean_depth is not None else "-"
+    return (
+        f"{s.policy:<9} users {s.concurrency:>3}  repeat {s.repeat + 1}/{repeats}: "
+        f"{s.throughput:7.2f} tok/s, TTFT {ttft} s, depth {depth}, {s.wall_seconds:.1f} s"
+    )
+
+
+@dataclass
+class ServeBenchRun:
+    """What :func:`run_serve_bench` measured, ready for :func:`results_dict`."""
+
+    settings: ServeBenchSettings
+    command: str
+    prompts: list[BenchPrompt]
+    levels: list[LevelStats]
+    records: list[dict[str, Any]]
+    servers: list[dict[str, Any]]
+    environment: dict[str, Any]
+    wall_seconds: float
+
+    @property
+    def summaries(self) -> list[LevelSummary]:
+        return summarize(self.levels)
+
+
+def run_serve_bench(
+    settings: ServeBenchSettings, command: str, out_dir: Path, progress: Progress = _stderr
+) -> ServeBenchRun:
+    """Start one server per policy, measure every level, and stop it; results.json grows after each
+    policy, so an interrupted run keeps what it measured."""
+    settings.validate()
+    measured = max(settings.requests_at(c) for c in settings.concurrency)
+    prompts = pick_prompts(
+        settings.dataset,
+        measured + settings.warmup,
+        data_dir=settings.data_dir,
+        categories=settings.categories,
+        seed=settings.seed,
+    )
+    prompts, warmup = prompts[:measured], prompts[measured:]  # warm up on prompts no level sends
+    run = ServeBenchRun(
+        settings=settings,
+        command=command,
+        prompts=prompts,
+        levels=[],
+        records=[],
+        servers=[],
+        environment={
+            "machine": environment.machine(),
+            "versions": environment.versions(),
+            "git_commit": environment.git_commit(),
+        },
+        wall_seconds=0.0,
+    )
+    start = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for policy in settings.policies:
+        args = settings.server_args_for(policy)
+        progress(f"{policy}: starting verispec serve {' '.join(args)}")
+        log = out_dir / f"server-{policy}.log"
+        log.unlink(missing_ok=True)
+        with ServerProcess(args, log, startup_timeout=settings.startup_timeout) as server:
+            progress(f"{policy}: healthy after {server.startup_seconds:.1f} s (pid {server.pid})")
+            levels, sampler = asyncio.run(_bench_policy(server, settings, prompts, warmup, policy, progress))
+        run.levels += [stats for stats, _ in levels]
+        run.records += [record for _, record in levels]
+        peak = sampler.peak
+        run.servers.append(
+            {
+                "policy": policy,
+                "args": args,
+                "command": server.command,
+                "startup_seconds": server.startup_seconds,
+                "rss_peak_mb": peak / MB if peak else None,
+                "log": log.name,
+                "models": server.models,
+            }
+        )
+        run.wall_seconds = time.perf_counter() - start
+        write_results(run, out_dir)
+    run.environment["machine"]["load_average_end"] = environment.load_average()
+    return run
+
+
+def results_dict(run: ServeBenchRun) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": run.command,
+        **run.environment,
+        "settings": run.settings.to_dict(),
+        "prompts": [{"dataset": p.dataset, "category": p.category, "id": p.id} for p in run.prompts],
+        "wall_seconds": run.wall_seconds,
+        "servers": run.servers,
+        "summary": [s.to_dict() for s in run.summaries],
+        "levels": run.records,
+    }
+
+
+def write_results(run: ServeBenchRun, out_dir: Path) -> Path:
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results_dict(run), indent=1) + "\n")
+    return path

@@ -1,0 +1,177 @@
+"""``report.md``, the printed table and the PNG plots of ``verispec bench serve``.
+
+Every number is shown with its spread over the repeats (``mean ± std``) where there were several,
+because at small concurrency on a shared CPU the difference between two policies can be smaller
+than the noise, and a table without the noise invites reading it as a result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from verispec.bench.report import markdown_table
+from verispec.bench.serve_stats import LevelSummary, Spread
+
+PLAIN_POLICY = "plain"
+HEADER = ("policy", "users", "tok/s", "vs plain", "TTFT mean", "TTFT p50", "TTFT p90", "user tok/s",
+          "decode tok/s", "depth", "accept", "failed")  # fmt: skip
+
+
+def _fmt(s: Spread, fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    if s.mean is None:
+        return "-"
+    out = fmt.format(s.mean * scale)
+    if s.std is not None:
+        out += " ± " + fmt.format(s.std * scale)
+    return out
+
+
+def _ratio(summary: LevelSummary, plain: dict[int, LevelSummary]) -> str:
+    base = plain.get(summary.concurrency)
+    value = summary.get("throughput")
+    if base is None or summary.policy == PLAIN_POLICY or value is None or not base.get("throughput"):
+        return "-"
+    return f"{value / base.get('throughput'):.2f}x"  # type: ignore[operator]
+
+
+def table_rows(summaries: Sequence[LevelSummary]) -> list[tuple[str, ...]]:
+    """One row of :data:`HEADER` per (policy, concurrency); latencies in seconds."""
+    plain = {s.concurrency: s for s in summaries if s.policy == PLAIN_POLICY}
+    rows = []
+    for s in summaries:
+        v = s.values
+        rows.append(
+            (
+                s.policy,
+                str(s.concurrency),
+                _fmt(v["throughput"]),
+                _ratio(s, plain),
+                _fmt(v["ttft_mean"], "{:.3f}"),
+                _fmt(v["ttft_p50"], "{:.3f}"),
+                _fmt(v["ttft_p90"], "{:.3f}"),
+                _fmt(v["user_tps_mean"]),
+                _fmt(v["decode_tps_mean"]),
+                _fmt(v["mean_depth"]),
+                _fmt(v["acceptance_rate"], "{:.1f}%", 100.0),
+                f"{s.failed}/{s.requests}",
+            )
+        )
+    return rows
+
+
+LEGEND = (
+    "tok/s: throughput, output tokens of all requests of a level / its wall time (first request sent to "
+    "last done). vs plain: throughput over the plain server's at the same number of users. TTFT: seconds "
+    "from sending a request to its first token, client side (queueing and prefill included). user tok/s: "
+    "mean over requests of output tokens / request time; decode tok/s: the same after the first token. "
+    "depth: draft tokens per sequence and step (server counters). accept: accepted / drafted. "
+    "`a ± b`: mean and sample standard deviation over the repeats."
+)
+
+
+def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], plots: Sequence[Path]) -> str:
+    """The whole report: how the run was made, one table, the servers and the plots."""
+    s = results["settings"]
+    machine = results.get("machine", {})
+    versions = results.get("versions", {})
+    out = [
+        "# verispec bench serve",
+        "",
+        "```",
+        results["command"],
+        "```",
+        "",
+        f"- target: `{s['target']}`"
+        + (f", draft: `{s['draft']}`" if s.get("draft") else "")
+        + f", method {s['method']}, k = {s['num_speculative_tokens']}",
+        f"- {_requests(s)} streaming requests per level (greedy, max_tokens {s['max_tokens']}) "
+        f"from {s['dataset']}, first user turn only; {s['repeats']} repeat(s) per level; "
+        f"{s['warmup']} warm-up request(s) per server",
+        f"- closed loop: each of N users sends its next request when the last one ends; server "
+        f"--max-batch-size {s['max_batch_size']}",
+        f"- plain: {s['plain_is']}",
+        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, server threads "
+        f"{s.get('threads') or 'default'}; load average {machine.get('load_average')} at the start, "
+        f"{machine.get('load_average_end')} at the end",
+        "- the load generator runs on the same machine as the server and takes some of its CPU",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        f"- git commit: {results.get('git_commit') or 'none'}",
+        f"- wall time: {results['wall_seconds']:.0f} s",
+        "",
+        "## Results",
+        "",
+        markdown_table(table_rows(summaries), HEADER),
+        "",
+        LEGEND,
+        "",
+        "## Servers",
+        "",
+    ]
+    for server in results["servers"]:
+        peak = server.get("rss_peak_mb")
+        out.append(
+            f"- **{server['policy']}**: `{' '.join(server['args'])}`; healthy after "
+            f"{server['startup_seconds']:.1f} s, peak RSS {f'{peak:.0f} MB' if peak else 'unknown'}"
+        )
+    failed = sum(level["failed"] for level in results["levels"])
+    if failed:
+        out += [
+            "",
+            f"**{failed} request(s) failed**: not counted in any number above; their errors are "
+            "in results.json (`levels[].requests[].error`).",
+        ]
+    if plots:
+        out += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
+    return "\n".join(out) + "\n"
+
+
+def _requests(settings: dict[str, Any]) -> str:
+    if settings.get("requests_per_level"):
+        return str(settings["requests_per_level"])
+    return "max(12, 2 x users)"
+
+
+def write_plots(summaries: Sequence[LevelSummary], out_dir: Path, title: str) -> list[Path]:
+    """``throughput.png``, ``user_tps.png`` and ``ttft.png``: one line per policy over concurrency."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        _lines(summaries, "throughput", "throughput (output tokens/s)", out_dir / "throughput.png", title),
+        _lines(summaries, "user_tps_mean", "per-user tokens/s", out_dir / "user_tps.png", title),
+        _lines(summaries, "ttft_mean", "mean time to first token (s)", out_dir / "ttft.png", title),
+    ]
+
+
+def _lines(summaries: Sequence[LevelSummary], name: str, label: str, path: Path, title: str) -> Path:
+    from verispec.bench.plots import _figure
+
+    figure = _figure()
+    ax = figure.add_subplot()
+    policies = list(dict.fromkeys(s.policy for s in summaries))
+    for policy in policies:
+        points = [
+            (s.concurrency, s.values[name])
+            for s in summaries
+            if s.policy == policy and s.values[name].mean is not None
+        ]
+        if not points:
+            continue
+        xs = [x for x, _ in points]
+        ys = [p.mean for _, p in points]
+        errors = [p.std or 0.0 for _, p in points]
+        ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=policy)
+    concurrencies = sorted({s.concurrency for s in summaries})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(concurrencies)
+    ax.set_xticklabels([str(c) for c in concurrencies])
+    ax.set_xlabel("concurrent users")
+    ax.set_ylabel(label)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if policies:
+        ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
