@@ -3,7 +3,9 @@
 Two curves, measured on this machine with this model and these settings:
 
 - target: seconds of one batched forward against the number of tokens in the batch (every
-  sequence's pending token plus its drafts), split into rows as the engine splits them;
+  sequence's pending token plus its drafts), split into rows as the engine splits them, plus a
+  price per (query token x cached key): attention grows with the context, and on long prompts an
+  extra draft token costs far more than the short-context curve says;
 - draft: seconds of one draft-model step against the number of rows drafting in it (prompt
   lookup has no such cost).
 
@@ -21,7 +23,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from statistics import median
 
 import torch
 
@@ -36,8 +37,9 @@ _ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens,
 class Curve:
     """Piecewise-linear seconds against a count, extrapolated along the last segment.
 
-    Made non-decreasing on construction: more tokens never cost less, and a noisy measurement
-    saying otherwise would make the policy chase the noise.
+    Made non-decreasing on construction (each point becomes the least cost measured at that count
+    or above): more tokens never cost less, and another process slowing one measurement down must
+    not make a small batch look as dear as a large one, which would make speculation look free.
     """
 
     xs: tuple[int, ...]
@@ -46,11 +48,11 @@ class Curve:
     def __post_init__(self) -> None:
         if len(self.xs) < 2 or len(self.xs) != len(self.seconds) or list(self.xs) != sorted(set(self.xs)):
             raise ValueError(f"a cost curve needs >= 2 increasing points, got {self.xs} / {self.seconds}")
-        running, monotone = 0.0, []
-        for y in self.seconds:
-            running = max(running, float(y))
+        running, monotone = float("inf"), []
+        for y in reversed(self.seconds):
+            running = min(running, float(y))
             monotone.append(running)
-        object.__setattr__(self, "seconds", tuple(monotone))
+        object.__setattr__(self, "seconds", tuple(reversed(monotone)))
 
     def __call__(self, x: float) -> float:
         if x <= self.xs[0]:
@@ -63,15 +65,20 @@ class Curve:
 class StepCostModel:
     """Predicted seconds of a step's target forward and draft steps, corrected by observed steps."""
 
-    def __init__(self, target: Curve, draft: Curve | None = None, correction: float = 0.1) -> None:
+    def __init__(
+        self, target: Curve, draft: Curve | None = None, per_key: float = 0.0, correction: float = 0.1
+    ) -> None:
         self.target = target
         self.draft = draft
+        self.per_key = per_key
+        """Seconds per query token per cached key it attends to (beyond the curve's short context)."""
         self.correction = correction
         self.target_scale = 1.0
         self.draft_scale = 1.0
 
-    def target_seconds(self, tokens: int) -> float:
-        return self.target(tokens) * self.target_scale
+    def target_seconds(self, tokens: int, key_queries: float = 0.0) -> float:
+        """A forward of ``tokens`` tokens whose queries attend to ``key_queries`` cached keys in all."""
+        return (self.target(tokens) + self.per_key * key_queries) * self.target_scale
 
     def draft_step_seconds(self, rows: int) -> float:
         """One draft-model step over ``rows`` sequences (0 when there is no draft model)."""
@@ -79,8 +86,8 @@ class StepCostModel:
             return 0.0
         return self.draft(rows) * self.draft_scale
 
-    def observe_target(self, tokens: int, seconds: float) -> None:
-        predicted = self.target(tokens)
+    def observe_target(self, tokens: int, seconds: float, key_queries: float = 0.0) -> None:
+        predicted = self.target(tokens) + self.per_key * key_queries
         if predicted > 0:
             self.target_scale += self.correction * (seconds / predicted - self.target_scale)
 
@@ -93,20 +100,28 @@ class StepCostModel:
         return {
             "target": asdict(self.target),
             "draft": asdict(self.draft) if self.draft else None,
+            "per_key": self.per_key,
             "target_scale": self.target_scale,
             "draft_scale": self.draft_scale,
         }
 
 
-def measure_target(model: CausalLM, context: int = 64, repeats: int = 3) -> Curve:
-    """Median seconds of a batched forward of t tokens (rows of up to 8) on ``context``-token caches."""
+def measure_target(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
+    """Least seconds of a batched forward of t tokens (rows of up to 8) on ``context``-token caches."""
     return Curve(
         TARGET_TOKENS, tuple(_time_rows(model, _rows_for(t), context, repeats) for t in TARGET_TOKENS)
     )
 
 
-def measure_draft(model: CausalLM, context: int = 64, repeats: int = 3) -> Curve:
-    """Median seconds of one draft step (one token per row) for each row count."""
+def measure_per_key(model: CausalLM, repeats: int = 5, tokens: int = 8, extra: int = 512) -> float:
+    """Seconds per query token per cached key: 8 tokens on a 576-token cache against a 64-token one."""
+    short = _time_rows(model, [tokens], 64, repeats)
+    long = _time_rows(model, [tokens], 64 + extra, repeats)
+    return max(0.0, (long - short) / (tokens * extra))
+
+
+def measure_draft(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
+    """Least seconds of one draft step (one token per row) for each row count."""
     return Curve(DRAFT_ROWS, tuple(_time_rows(model, [1] * r, context, repeats) for r in DRAFT_ROWS))
 
 
@@ -130,22 +145,20 @@ def _time_rows(model: CausalLM, widths: list[int], context: int, repeats: int) -
             times.append(time.perf_counter() - started)
         for cache, w in zip(caches, widths, strict=True):
             cache.trim(w)
-    return median(times)
+    return min(times)  # the machine's own cost: contention only ever adds time
 
 
 def load_or_measure(
-    target: CausalLM, draft: CausalLM | None, cache_dir: Path | None, repeats: int = 3
+    target: CausalLM, draft: CausalLM | None, cache_dir: Path | None, repeats: int = 5
 ) -> StepCostModel:
     """The cost model for this target (and draft), from ``cache_dir`` when measured before."""
     path = cache_dir / f"{_identity(target, draft)}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
-        data = json.loads(path.read_text())
-        return StepCostModel(
-            Curve(**_tuples(data["target"])), Curve(**_tuples(data["draft"])) if data["draft"] else None
-        )
+        return load_costs_file(path)
     costs = StepCostModel(
         measure_target(target, repeats=repeats),
         measure_draft(draft, repeats=repeats) if draft is not None else None,
+        per_key=measure_per_key(target, repeats=repeats),
     )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +180,9 @@ def load_costs_file(path: Path) -> StepCostModel:
         raise VerispecError(f"cannot read the cost file {path}: {exc}") from exc
     if "target" in data and isinstance(data["target"], dict):
         return StepCostModel(
-            Curve(**_tuples(data["target"])), Curve(**_tuples(data["draft"])) if data.get("draft") else None
+            Curve(**_tuples(data["target"])),
+            Curve(**_tuples(data["draft"])) if data.get("draft") else None,
+            per_key=float(data.get("per_key", 0.0)),
         )
     curves = {c["role"]: c for c in data.get("curves", []) if isinstance(c, dict)}
     if "target" not in curves:

@@ -342,7 +342,9 @@ class SpecEngine:
         for seq in seqs:
             seq.stats.draft_seconds += t1 - t0
             seq.stats.verify_seconds += t3 - t1
-        self._report(seqs, [_depth(d) for d in drafts], accepted, t1 - t0, t2 - t1)
+        tokens = sum(len(r) for r in rows)
+        key_queries = sum(len(r) * start for r, start in zip(rows, starts, strict=True))
+        self._report(seqs, [_depth(d) for d in drafts], accepted, t1 - t0, t2 - t1, tokens, key_queries)
         return outputs
 
     @property
@@ -354,7 +356,8 @@ class SpecEngine:
         if self.proposer is None or not any(caps):
             return [0] * len(seqs)
         queries = [
-            DepthQuery(cap=c, survival=s.acceptance.survival(c)) for s, c in zip(seqs, caps, strict=True)
+            DepthQuery(cap=c, survival=s.acceptance.survival(c), context=s.cache.length)
+            for s, c in zip(seqs, caps, strict=True)
         ]
         return self.policy.choose(queries)
 
@@ -426,10 +429,17 @@ class SpecEngine:
         seq.cache = self.target.new_cache()  # drop the KV memory now, not when the caller lets go
 
     def _report(
-        self, seqs: list[SeqState], drafted: list[int], accepted: list[int], draft_s: float, target_s: float
+        self,
+        seqs: list[SeqState],
+        drafted: list[int],
+        accepted: list[int],
+        draft_s: float,
+        target_s: float,
+        tokens: int,
+        key_queries: int,
     ) -> None:
         if self._policy is not None and self._costs is not None:
-            self._costs.observe_target(sum(drafted) + len(seqs), target_s)
+            self._costs.observe_target(tokens, target_s, key_queries)
             levels = [sum(1 for k in drafted if k > j) for j in range(max(drafted, default=0))]
             if levels and self.draft is not None:
                 self._costs.observe_draft(levels, draft_s)

@@ -5,11 +5,13 @@ competes with other users' tokens and a deep draft that is mostly rejected slows
 :class:`AdaptiveDepth` chooses, every step, one k per sequence to maximise the expected committed
 tokens per second of the whole step:
 
-    rate(k_1..k_n) = sum_i (1 + E[accepted_i | k_i]) / (T_target(sum_i (1 + k_i)) + T_draft(k_1..k_n))
+    rate(k_1..k_n) = sum_i (1 + E[accepted_i | k_i]) / (T_target(sum_i (1 + k_i), sum_i (1 + k_i) c_i)
+                                                        + T_draft(k_1..k_n))
 
 where ``E[accepted | k] = sum_{j<=k} P(first j drafts accepted)`` comes from the sequence's own
 per-position acceptance (:class:`AcceptanceEstimate`), ``T_target`` is the measured target forward
-time for that many tokens in the batch and ``T_draft`` the time of the draft model's batched
+time for that many tokens in the batch, each attending to its sequence's ``c_i`` cached tokens, and
+``T_draft`` the time of the draft model's batched
 steps (zero for prompt lookup). See :mod:`verispec.costs` for the curves.
 
 Exactness: the choice uses only what is known before this step's verification (past acceptance,
@@ -121,6 +123,8 @@ class DepthQuery:
     0 when the request turned speculation off."""
     survival: Sequence[float]
     """P(the first j drafts are all accepted), j = 1..cap, from past steps only."""
+    context: int = 0
+    """Tokens in the sequence's cache: what each of its query tokens attends to."""
 
 
 class DepthPolicy(ABC):
@@ -164,10 +168,11 @@ class AdaptiveDepth(DepthPolicy):
         per-step cost, which no one-token move pays back on its own."""
         ks = [0] * len(queries)
         tokens = len(queries)
+        keys = float(sum(q.context for q in queries))  # query x key work of the plain step
         rows_at = [0] * (max((q.cap for q in queries), default=0) + 1)  # rows drafting at step j
         gain = float(len(queries))
         draft_s = 0.0
-        rate = gain / (self.costs.target_seconds(tokens) + draft_s)
+        rate = gain / (self.costs.target_seconds(tokens, keys) + draft_s)
         while True:
             best: tuple[float, int, int, float, float] | None = None
             for i, q in enumerate(queries):
@@ -178,7 +183,8 @@ class AdaptiveDepth(DepthPolicy):
                     extra_draft += self.costs.draft_step_seconds(rows_at[level] + 1) - (
                         self.costs.draft_step_seconds(rows_at[level]) if rows_at[level] else 0.0
                     )
-                    seconds = self.costs.target_seconds(tokens + m) + draft_s + extra_draft
+                    extra_keys = m * q.context
+                    seconds = self.costs.target_seconds(tokens + m, keys + extra_keys) + draft_s + extra_draft
                     candidate = (gain + extra_gain) / seconds
                     if candidate > rate * (1 + 1e-9) and (best is None or candidate > best[0]):
                         best = (candidate, i, m, extra_gain, extra_draft)
@@ -189,6 +195,7 @@ class AdaptiveDepth(DepthPolicy):
                 rows_at[level] += 1
             ks[i] += m
             tokens += m
+            keys += m * queries[i].context
             gain += extra_gain
             draft_s += extra_draft
 
