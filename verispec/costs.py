@@ -86,6 +86,13 @@ class StepCostModel:
             return 0.0
         return self.draft(rows) * self.draft_scale
 
+    def draft_catch_up_seconds(self, backlog: int) -> float:
+        """Extra time for a draft model to feed ``backlog`` committed tokens it has not seen, beyond
+        the one or two any first draft step feeds anyway (priced like that many one-token rows)."""
+        if self.draft is None or backlog <= 2:
+            return 0.0
+        return (self.draft(backlog) - self.draft(2)) * self.draft_scale
+
     def observe_target(self, tokens: int, seconds: float, key_queries: float = 0.0) -> None:
         predicted = self.target(tokens) + self.per_key * key_queries
         if predicted > 0:

@@ -355,8 +355,14 @@ class SpecEngine:
         caps = [min(s.request.num_speculative_tokens, s.budget - s.num_generated - 1) for s in seqs]
         if self.proposer is None or not any(caps):
             return [0] * len(seqs)
+        proposer = self.proposer
         queries = [
-            DepthQuery(cap=c, survival=s.acceptance.survival(c), context=s.cache.length)
+            DepthQuery(
+                cap=c,
+                survival=s.acceptance.survival(c),
+                context=s.cache.length,
+                backlog=proposer.backlog(s.proposer_state, s.token_ids) if c else 0,
+            )
             for s, c in zip(seqs, caps, strict=True)
         ]
         return self.policy.choose(queries)

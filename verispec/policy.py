@@ -125,6 +125,8 @@ class DepthQuery:
     """P(the first j drafts are all accepted), j = 1..cap, from past steps only."""
     context: int = 0
     """Tokens in the sequence's cache: what each of its query tokens attends to."""
+    backlog: int = 0
+    """Tokens the proposer must catch up on before drafting (a draft model that sat out steps)."""
 
 
 class DepthPolicy(ABC):
@@ -177,6 +179,8 @@ class AdaptiveDepth(DepthPolicy):
             best: tuple[float, int, int, float, float] | None = None
             for i, q in enumerate(queries):
                 extra_gain, extra_draft = 0.0, 0.0
+                if ks[i] == 0:  # speculating at all first means catching the draft model up
+                    extra_draft += self.costs.draft_catch_up_seconds(q.backlog)
                 for m in range(1, q.cap - ks[i] + 1):
                     level = ks[i] + m  # the draft step this token needs
                     extra_gain += q.survival[level - 1]

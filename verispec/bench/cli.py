@@ -18,6 +18,7 @@ import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from verispec.bench.datasets import DATASETS
 from verispec.bench.settings import BASELINES, PLAIN
@@ -355,25 +356,13 @@ def _serve(args: argparse.Namespace, command: str) -> int:
     from verispec.bench.serve_report import HEADER, report_markdown, table_rows, write_plots
 
     settings = ServeBenchSettings(
-        target=args.target,
-        draft=args.draft,
-        method=args.method,
-        num_speculative_tokens=args.num_speculative_tokens,
+        **_server_run(args),
         policies=tuple(args.policies),
         concurrency=tuple(args.concurrency),
         requests_per_level=args.requests_per_level,
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         warmup=args.warmup,
-        dataset=args.dataset,
-        categories=tuple(args.categories) if args.categories else None,
-        seed=args.seed,
-        data_dir=args.data_dir,
-        threads=args.threads,
-        quantization=args.quantization,
-        max_batch_size=args.max_batch_size,
-        server_args=tuple(args.server_args),
-        startup_timeout=args.startup_timeout,
         request_timeout=args.request_timeout,
     )
     run = run_serve_bench(settings, command, args.out)
@@ -397,32 +386,39 @@ def _serve(args: argparse.Namespace, command: str) -> int:
     return 1 if failed else 0
 
 
+def _server_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~verispec.bench.server_proc.ServerRun` fields shared by ``bench serve`` and ``soak``."""
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "method": args.method,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "dataset": args.dataset,
+        "categories": tuple(args.categories) if args.categories else None,
+        "seed": args.seed,
+        "data_dir": args.data_dir,
+        "threads": args.threads,
+        "quantization": args.quantization,
+        "max_batch_size": args.max_batch_size,
+        "server_args": tuple(args.server_args),
+        "startup_timeout": args.startup_timeout,
+    }
+
+
 def _soak(args: argparse.Namespace, command: str) -> int:
     _need_http_client()
     from verispec.bench.soak import SoakSettings, run_soak, summary
 
     settings = SoakSettings(
-        target=args.target,
-        draft=args.draft,
-        method=args.method,
-        num_speculative_tokens=args.num_speculative_tokens,
+        **_server_run(args),
         depth_policy=args.depth_policy,
         requests=args.requests,
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
         disconnect_fraction=args.disconnect_fraction,
         warmup=args.warmup,
-        dataset=args.dataset,
-        categories=tuple(args.categories) if args.categories else None,
-        seed=args.seed,
-        data_dir=args.data_dir,
-        threads=args.threads,
-        quantization=args.quantization,
-        max_batch_size=args.max_batch_size,
         rss_tolerance_pct=args.rss_tolerance_pct,
         rss_tolerance_mb=args.rss_tolerance_mb,
-        server_args=tuple(args.server_args),
-        startup_timeout=args.startup_timeout,
     )
     result = run_soak(settings, command, args.out)
     print(summary(result))

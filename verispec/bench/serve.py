@@ -37,7 +37,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -45,12 +45,11 @@ from typing import Any
 import httpx
 
 from verispec.bench import environment
-from verispec.bench.datasets import DATASETS, BenchPrompt, load_dataset
+from verispec.bench.datasets import BenchPrompt, load_dataset
 from verispec.bench.load import RequestSpec, client_for, run_level
 from verispec.bench.scrape import Scrape, parse_metrics, spec_delta
 from verispec.bench.serve_stats import LevelStats, LevelSummary, level_stats, summarize
-from verispec.bench.server_proc import RssSampler, ServerProcess, server_flags
-from verispec.config import MAX_SPECULATIVE_TOKENS
+from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun, server_flags
 from verispec.errors import VerispecError
 
 SCHEMA = "verispec-bench-serve/1"
@@ -60,14 +59,9 @@ MB = 2**20
 
 
 @dataclass(frozen=True)
-class ServeBenchSettings:
+class ServeBenchSettings(ServerRun):
     """Everything ``bench serve`` is asked to do; :meth:`validate` checks it before any server starts."""
 
-    target: str
-    draft: str | None = None
-    method: str | None = None
-    """``ngram`` or ``draft``; None means ``draft`` with a draft model, else ``ngram``."""
-    num_speculative_tokens: int = 5
     policies: tuple[str, ...] = POLICIES
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)
     requests_per_level: int | None = None
@@ -75,22 +69,7 @@ class ServeBenchSettings:
     max_tokens: int = 128
     repeats: int = 1
     warmup: int = 4
-    dataset: str = "spec_bench"
-    categories: tuple[str, ...] | None = None
-    seed: int = 0
-    data_dir: Path | None = None
-    threads: int | None = None
-    quantization: str = "auto"
-    max_batch_size: int | None = None
-    """The server's ``--max-batch-size``; None means the largest concurrency (every user decodes at once)."""
-    server_args: tuple[str, ...] = ()
-    """More ``verispec serve`` flags, passed to every policy's server."""
-    startup_timeout: float = 900.0
     request_timeout: float = 600.0
-
-    @property
-    def speculative_method(self) -> str:
-        return self.method or ("draft" if self.draft else "ngram")
 
     @property
     def batch_size(self) -> int:
@@ -113,14 +92,9 @@ class ServeBenchSettings:
             raise VerispecError(f"--warmup must be >= 0, got {self.warmup}")
         if self.requests_per_level is not None and self.requests_per_level < 1:
             raise VerispecError(f"--requests-per-level must be >= 1, got {self.requests_per_level}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise VerispecError(f"-k must be between 1 and {MAX_SPECULATIVE_TOKENS}")
         if self.speculative_method not in ("ngram", "draft"):
             raise VerispecError(f"--method must be ngram or draft, got {self.speculative_method!r}")
-        if self.speculative_method == "draft" and not self.draft:
-            raise VerispecError("--method draft needs --draft")
-        if self.dataset not in DATASETS:
-            raise VerispecError(f"--dataset: choose one of {', '.join(DATASETS)}")
+        self.validate_server()
 
     def server_args_for(self, policy: str) -> list[str]:
         """The ``verispec serve`` flags of ``policy`` (host and port are added by the process)."""
@@ -140,9 +114,7 @@ class ServeBenchSettings:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["data_dir"] = str(self.data_dir) if self.data_dir else None
-        out["method"] = self.speculative_method
+        out = super().to_dict()
         out["max_batch_size"] = self.batch_size
         out["plain_is"] = PLAIN_IS
         return out

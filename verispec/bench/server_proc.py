@@ -22,14 +22,58 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Any
 
 import httpx
 
+from verispec.bench.datasets import DATASETS
+from verispec.config import MAX_SPECULATIVE_TOKENS
 from verispec.errors import VerispecError
 
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    """What both ``bench serve`` and ``bench soak`` need: the server to start and the prompts to send."""
+
+    target: str
+    draft: str | None = None
+    method: str | None = None
+    """``ngram`` or ``draft``; None means ``draft`` with a draft model, else ``ngram``."""
+    num_speculative_tokens: int = 5
+    dataset: str = "spec_bench"
+    categories: tuple[str, ...] | None = None
+    seed: int = 0
+    data_dir: Path | None = None
+    threads: int | None = None
+    quantization: str = "auto"
+    max_batch_size: int | None = None
+    """The server's ``--max-batch-size``; None means every user decodes at once."""
+    server_args: tuple[str, ...] = ()
+    """More ``verispec serve`` flags, passed to every server started."""
+    startup_timeout: float = 900.0
+
+    @property
+    def speculative_method(self) -> str:
+        return self.method or ("draft" if self.draft else "ngram")
+
+    def validate_server(self) -> None:
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise VerispecError(f"-k must be between 1 and {MAX_SPECULATIVE_TOKENS}")
+        if self.speculative_method == "draft" and not self.draft:
+            raise VerispecError("--method draft needs --draft")
+        if self.dataset not in DATASETS:
+            raise VerispecError(f"--dataset: choose one of {', '.join(DATASETS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["data_dir"] = str(self.data_dir) if self.data_dir else None
+        out["method"] = self.speculative_method
+        return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -35,26 +35,20 @@ from typing import Any
 import httpx
 
 from verispec.bench import environment
-from verispec.bench.datasets import DATASETS, BenchPrompt
+from verispec.bench.datasets import BenchPrompt
 from verispec.bench.load import LevelRun, RequestSpec, client_for, run_level
 from verispec.bench.scrape import BATCH_SIZE, FINISHED, WAITING, Scrape
 from verispec.bench.serve import MB, pick_prompts, scrape
-from verispec.bench.server_proc import RssSampler, ServerProcess, server_flags
-from verispec.config import MAX_SPECULATIVE_TOKENS
+from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun, server_flags
 from verispec.errors import VerispecError
 
 SCHEMA = "verispec-bench-soak/1"
 
 
 @dataclass(frozen=True)
-class SoakSettings:
+class SoakSettings(ServerRun):
     """What the soak runs; :meth:`validate` checks it before the server starts."""
 
-    target: str
-    draft: str | None = None
-    method: str | None = None
-    """``ngram``, ``draft`` or ``none``; None means ``draft`` with a draft model, else ``ngram``."""
-    num_speculative_tokens: int = 5
     depth_policy: str = "adaptive"
     requests: int = 200
     concurrency: int = 8
@@ -62,18 +56,8 @@ class SoakSettings:
     disconnect_fraction: float = 0.25
     warmup: int | None = None
     """Requests before the RSS baseline; None means two per user."""
-    dataset: str = "spec_bench"
-    categories: tuple[str, ...] | None = None
-    seed: int = 0
-    data_dir: Path | None = None
-    threads: int | None = None
-    quantization: str = "auto"
-    max_batch_size: int | None = None
-    """The server's ``--max-batch-size``; None means ``concurrency``."""
     rss_tolerance_pct: float = 10.0
     rss_tolerance_mb: float = 100.0
-    server_args: tuple[str, ...] = ()
-    startup_timeout: float = 900.0
     request_timeout: float = 300.0
     settle_timeout: float = 30.0
     """Seconds to wait after the last request for the server to report an empty batch."""
@@ -81,10 +65,6 @@ class SoakSettings:
     @property
     def warmup_requests(self) -> int:
         return self.warmup if self.warmup is not None else 2 * self.concurrency
-
-    @property
-    def speculative_method(self) -> str:
-        return self.method or ("draft" if self.draft else "ngram")
 
     def validate(self) -> None:
         for name in ("requests", "concurrency", "max_tokens"):
@@ -94,14 +74,9 @@ class SoakSettings:
             raise VerispecError(f"--warmup must be >= 0, got {self.warmup}")
         if not 0 <= self.disconnect_fraction <= 1:
             raise VerispecError(f"--disconnect-fraction must be in 0..1, got {self.disconnect_fraction}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise VerispecError(f"-k must be between 1 and {MAX_SPECULATIVE_TOKENS}")
-        if self.speculative_method == "draft" and not self.draft:
-            raise VerispecError("--method draft needs --draft")
         if self.depth_policy not in ("adaptive", "fixed"):
             raise VerispecError(f"--depth-policy must be adaptive or fixed, got {self.depth_policy!r}")
-        if self.dataset not in DATASETS:
-            raise VerispecError(f"--dataset: choose one of {', '.join(DATASETS)}")
+        self.validate_server()
 
     def serve_flags(self) -> list[str]:
         """The ``verispec serve`` flags (host and port are added by the process)."""
@@ -119,9 +94,7 @@ class SoakSettings:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["data_dir"] = str(self.data_dir) if self.data_dir else None
-        out["method"] = self.speculative_method
+        out = super().to_dict()
         out["warmup"] = self.warmup_requests
         return out
 

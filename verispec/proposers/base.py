@@ -46,6 +46,11 @@ class Proposer(ABC):
         deep.
         """
 
+    def backlog(self, state: Any, token_ids: Sequence[int]) -> int:
+        """Committed tokens the proposer must process before it can draft (a draft model that sat out
+        steps catches up on them in one forward); the depth policy prices them. 0 by default."""
+        return 0
+
     def propose_batch(
         self, states: Sequence[Any], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
     ) -> list[Draft | DraftTree]:

@@ -52,6 +52,9 @@ class DraftModelProposer(Proposer):
             cache=self.model.new_cache(), sampling=sampling, generator=make_generator(seed, self.model.device)
         )
 
+    def backlog(self, state: DraftModelState, token_ids: Sequence[int]) -> int:
+        return len(token_ids) - state.cache.length
+
     def propose(self, state: DraftModelState, token_ids: Sequence[int], k: int) -> Draft:
         return self.propose_batch([state], [token_ids], [k])[0]
 
