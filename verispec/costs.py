@@ -122,6 +122,9 @@ def measure_target(model: CausalLM, context: int = 64, repeats: int = 5) -> Curv
 
 def measure_per_key(model: CausalLM, repeats: int = 5, tokens: int = 8, extra: int = 512) -> float:
     """Seconds per query token per cached key: 8 tokens on a 576-token cache against a 64-token one."""
+    extra = min(extra, model.max_context - 64 - tokens)
+    if extra < 64:  # a model with too short a context to tell: no context price
+        return 0.0
     short = _time_rows(model, [tokens], 64, repeats)
     long = _time_rows(model, [tokens], 64 + extra, repeats)
     return max(0.0, (long - short) / (tokens * extra))

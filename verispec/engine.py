@@ -40,7 +40,7 @@ from verispec.policy import AcceptanceEstimate, AcceptancePrior, DepthPolicy, De
 from verispec.proposers.base import Proposer
 from verispec.sampling import make_generator
 from verispec.types import Draft, FinishReason, Generation, TokenEvent
-from verispec.verify import verify
+from verispec.verify import typical, verify
 from verispec.verify.tree import DraftTree, tree_attention_inputs, verify_tree
 
 Prompt = str | Seq[int]
@@ -318,14 +318,18 @@ class SpecEngine:
         )
         t2 = time.perf_counter()
         outputs, accepted = [], []
+        lossy = self.spec.acceptance == "typical"  # Medusa's typical acceptance: LOSSY, opt-in only
         for b, (seq, draft, logits) in enumerate(zip(seqs, drafts, out.logits, strict=True)):
             if isinstance(draft, DraftTree):
-                tree_result = verify_tree(draft, logits, seq.request.sampling, seq.generator)
+                verify_tree_with = typical.verify_tree if lossy else verify_tree
+                tree_result = verify_tree_with(draft, logits, seq.request.sampling, seq.generator)
                 kept_rows = [0] + [i + 1 for i in tree_result.path]
                 seq.cache.compact(starts[b], kept_rows)
                 tokens, num_accepted, depth = tree_result.tokens, tree_result.num_accepted, _depth(draft)
             else:
-                result = verify(draft, logits, seq.request.sampling, seq.generator)
+                result = (typical.verify if lossy else verify)(
+                    draft, logits, seq.request.sampling, seq.generator
+                )
                 seq.cache.trim(draft.k - result.num_accepted)
                 tokens, num_accepted, depth = result.tokens, result.num_accepted, draft.k
                 kept_rows = list(range(num_accepted + 1))
