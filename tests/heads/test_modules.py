@@ -1,0 +1,97 @@
+"""The head networks and the draft-vocabulary LM head: shapes, initial behaviour, masks, int8."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.conftest import tiny_llama
+from verispec.heads.eagle import DraftCache, EagleConfig, EagleDrafter, unrolled_masks
+from verispec.heads.medusa import MedusaConfig, MedusaHeads
+from verispec.heads.vocab import VocabHead, float_lm_head_weight
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import quantize_int8_dynamic
+
+
+def test_medusa_heads_shapes_and_identity_start():
+    heads = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=3, num_layers=2))
+    h = torch.randn(5, 64)
+    out = heads(h)
+    assert out.shape == (5, 3, 64)
+    # W = 0 at the start: every head is the identity, i.e. predicts what the LM head does.
+    torch.testing.assert_close(out, h[:, None].expand(5, 3, 64))
+    names = set(heads.state_dict())
+    assert "medusa_head.0.0.linear.weight" in names and "medusa_head.2.1.linear.bias" in names
+
+
+def test_eagle_config_takes_the_target_sizes(tiny_target):
+    cfg = EagleConfig.for_target(tiny_target)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        64,
+        128,
+        4,
+        2,
+    )
+    assert cfg.head_dim == 16
+    assert EagleConfig.for_target(tiny_target, intermediate_size=32).intermediate_size == 32
+
+
+def test_eagle_drafter_incremental_equals_one_pass(tiny_target):
+    """Feeding pairs in two chunks through the cache gives the same outputs as one causal pass."""
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    emb, feat = torch.randn(1, 9, 64), torch.randn(1, 9, 64)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    full, _, _ = drafter(emb, feat, torch.arange(9), causal)
+    cache = DraftCache.empty(drafter.config)
+    first, k, v = drafter(emb[:, :5], feat[:, :5], torch.arange(5), causal[:5, :5])
+    cache.append(k[0], v[0])
+    mask = torch.ones(4, 9, dtype=torch.bool)
+    mask[:, 5:] = torch.ones(4, 4, dtype=torch.bool).tril()
+    second, _, _ = drafter(
+        emb[:, 5:], feat[:, 5:], torch.arange(5, 9), mask, (cache.keys[None], cache.values[None])
+    )
+    torch.testing.assert_close(torch.cat([first, second], dim=1), full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 5
+
+
+def test_unrolled_masks_see_what_a_draft_node_sees():
+    masks = unrolled_masks(6, 3)
+    assert [tuple(m.shape) for m in masks] == [(6, 6), (6, 12), (6, 18)]
+    assert torch.equal(masks[0], torch.ones(6, 6, dtype=torch.bool).tril())
+    # Pass 3 at position 4: true keys <= 2, pass-2 key at 3, its own pass-3 key at 4.
+    row = masks[2][4]
+    assert row[:6].nonzero().flatten().tolist() == [0, 1, 2]
+    assert row[6:12].nonzero().flatten().tolist() == [3]
+    assert row[12:].nonzero().flatten().tolist() == [4]
+    # Every query sees at least itself (no empty softmax rows).
+    assert all(bool(m.any(dim=1).all()) for m in masks)
+
+
+def test_vocab_head_restricts_the_target_head(tiny_target):
+    vocab = torch.tensor([5, 0, 77, 31])
+    head = VocabHead(tiny_target, vocab)
+    h = torch.randn(3, 64)
+    full = tiny_target.lm_head(h)
+    torch.testing.assert_close(head(h), full[:, vocab])
+    assert head.to_target(torch.tensor([2, 0])).tolist() == [77, 5]
+    mapping = head.target_to_draft(tiny_target.vocab_size)
+    assert mapping[77] == 2 and mapping[1] == -1
+    whole = VocabHead(tiny_target, None)
+    torch.testing.assert_close(whole(h), full)
+    assert whole.to_target(torch.tensor([9])).tolist() == [9]
+
+
+def test_vocab_head_slices_an_int8_head_without_requantizing():
+    model = quantize_int8_dynamic(copy.deepcopy(tiny_llama(0)))
+    target = HFCausalLM(model, name="tiny-int8")
+    vocab = torch.tensor([3, 50, 7])
+    h = torch.randn(4, 64)
+    head = VocabHead(target, vocab)
+    assert head.linear is not None  # int8 rows, not a float copy
+    torch.testing.assert_close(head(h), target.lm_head(h)[:, vocab], rtol=1e-5, atol=1e-5)
+    # Training reads the de-quantized weights: close to the int8 head's products.
+    weight = float_lm_head_weight(target)
+    assert weight.shape == (96, 64)
+    torch.testing.assert_close(h @ weight.T, target.lm_head(h), rtol=0.05, atol=0.05)

@@ -1,0 +1,129 @@
+"""Training on cached target states: labels, learning, evaluation and resumable checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.heads.tiny import tiny_data, token_arrays, trained
+from verispec.errors import VerispecError
+from verispec.heads.eagle import EagleConfig, EagleDrafter
+from verispec.heads.medusa import MedusaConfig, MedusaHeads
+from verispec.heads.train import (
+    TokenData,
+    TrainSettings,
+    evaluate_eagle,
+    evaluate_medusa,
+    fit,
+    length_batches,
+    medusa_loss,
+    medusa_positions,
+)
+from verispec.heads.vocab import VocabHead
+
+
+def test_token_data_labels_and_validity(tiny_target):
+    arrays = token_arrays(tiny_target, [[1, 2, 3, 4], [5, 6, 7]], heldout_every=2)
+    arrays["labelled"] = np.array([0, 0, 1, 1, 1, 0, 1], dtype=bool)
+    target, text = TokenData(arrays, "target"), TokenData(arrays, "data")
+    # ok[t]: token t+1 exists in t's sequence and is labelled.
+    assert target.ok.tolist() == [False, True, True, False, False, True, False]
+    assert text.label[:3].tolist() == [2, 3, 4] and text.label[4:6].tolist() == [6, 7]
+    assert torch.equal(target.label, torch.from_numpy(arrays["argmax"]).long())
+    assert torch.equal(text.greedy, target.greedy)  # accuracy is always against the target's argmax
+    assert target.sequences(heldout=False) == [(0, 4)] and target.sequences(heldout=True) == [(4, 7)]
+    assert medusa_positions(target, heldout=False).tolist() == [0, 1]
+
+
+def test_frequent_labels_come_from_the_training_split(tiny_target):
+    data = tiny_data(tiny_target, count=10, length=20)
+    vocab, coverage = data.frequent_labels(5)
+    assert vocab.numel() == 5 and 0 < coverage <= 1
+    train = torch.zeros(data.total, dtype=torch.bool)
+    for a, b in data.sequences(heldout=False):
+        train[a:b] = True
+    counts = torch.bincount(data.label[train & data.ok], minlength=tiny_target.vocab_size)
+    assert counts[vocab].min() >= counts.sort(descending=True).values[4]
+    assert data.frequent_labels(0) == (None, 1.0)
+
+
+def test_medusa_training_learns_the_targets_continuations(tiny_target):
+    data = tiny_data(tiny_target)
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    untrained = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=3))
+    before = evaluate_medusa(untrained, vocab, data, width=3)
+    heads, _, report = trained(tiny_target, "medusa")
+    after = report["heldout_accuracy"]
+    assert [row["depth"] for row in after] == [1, 2, 3]
+    assert after[0]["top1"] > before[0]["top1"] + 0.1, (before, after)
+    assert after[0]["top4"] >= after[0]["top1"] > 0.35
+    assert report["final_loss"] < report["loss_curve"][0][1]
+    assert evaluate_medusa(heads, vocab, data, width=4) == after
+
+
+def test_eagle_training_learns_and_reports_every_depth(tiny_target):
+    data = tiny_data(tiny_target)
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    embeddings = tiny_target.model.get_input_embeddings().weight.detach()
+    torch.manual_seed(0)
+    untrained = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    before = evaluate_eagle(untrained, vocab, data, embeddings, width=4, depths=3)
+    _, _, report = trained(tiny_target, "eagle")
+    after = report["heldout_accuracy"]
+    assert [row["depth"] for row in after] == [1, 2, 3, 4, 5]  # beyond the 2 trained passes too
+    assert after[0]["top1"] > before[0]["top1"] + 0.2, (before, after)
+    assert after[1]["top1"] > before[1]["top1"], (before, after)
+
+
+def test_a_draft_vocabulary_restricts_what_heads_can_propose(tiny_target):
+    _, vocab_ids, report = trained(tiny_target, "medusa", draft_vocab=8, epochs=3)
+    assert vocab_ids.numel() == 8 and report["draft_vocab_size"] == 8
+    assert 0 < report["draft_vocab_label_coverage"] <= 1
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path, tiny_target):
+    data = tiny_data(tiny_target, count=10, length=20)
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    to_draft = vocab.target_to_draft(tiny_target.vocab_size)
+    j = medusa_positions(data, heldout=False)
+
+    def batches(epoch: int) -> list[torch.Tensor]:
+        return list(j[torch.randperm(j.numel(), generator=torch.Generator().manual_seed(epoch))].split(32))
+
+    def run(epochs: int, resume: bool) -> tuple[MedusaHeads, dict]:
+        torch.manual_seed(0)
+        heads = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))
+        settings = TrainSettings(kind="medusa", num_heads=2, epochs=epochs, lr=1e-2)
+        loss = lambda b: medusa_loss(heads, vocab, data, to_draft, b, 0.8)  # noqa: E731
+        return heads, fit(heads, batches, loss, settings, tmp_path / "ck.pt", resume=resume, progress=False)
+
+    _, first = run(epochs=1, resume=False)
+    per_epoch = len(batches(0))
+    assert first["steps"] == per_epoch and (tmp_path / "ck.pt").is_file()
+    resumed, second = run(epochs=2, resume=True)  # continues at step per_epoch, not from zero
+    assert second["steps"] == 2 * per_epoch
+    assert second["seconds"] >= first["seconds"]
+    _, third = run(epochs=2, resume=False)  # without --resume the checkpoint is ignored
+    assert third["steps"] == 2 * per_epoch
+    h = data.features(j[:8])
+    assert not torch.allclose(resumed(h), MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))(h))
+
+
+def test_length_batches_group_similar_lengths():
+    seqs = [(0, 10), (10, 110), (110, 115), (115, 215), (215, 220)]
+    batches = length_batches(seqs, batch_tokens=200, rng=None)
+    assert sorted(s for b in batches for s in b) == sorted(seqs)
+    assert all(len(b) * max(e - s for s, e in b) <= 200 or len(b) == 1 for b in batches)
+    shuffled = length_batches(seqs, 200, np.random.default_rng(0))
+    assert sorted(map(tuple, shuffled)) == sorted(map(tuple, batches))
+
+
+def test_settings_are_validated():
+    with pytest.raises(VerispecError, match="unknown heads kind"):
+        TrainSettings(kind="hydra")
+    with pytest.raises(VerispecError, match="labels"):
+        TrainSettings(kind="medusa", labels="mixed")
+    with pytest.raises(VerispecError, match="epochs"):
+        TrainSettings(kind="eagle", epochs=0)
+    assert TrainSettings(kind="eagle").tree == {"nodes": 16, "width": 4}

@@ -1,0 +1,74 @@
+"""Draft-tree builders: the best paths by score, in DraftTree order (parents first, siblings by score)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from verispec.heads.trees import best_subtree, product_tree
+from verispec.verify.tree import DraftTree
+
+
+def paths_of(tree: DraftTree) -> list[tuple[int, ...]]:
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out: list[tuple[int, ...]] = []
+    for i, p in enumerate(parents):
+        out.append((*(out[p] if p >= 0 else ()), tokens[i]))
+    return out
+
+
+def check_order(tree: DraftTree, score: dict[tuple[int, ...], float]) -> None:
+    paths = paths_of(tree)
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # parents before children
+    for siblings in tree.children():
+        values = [score[paths[c]] for c in siblings]
+        assert values == sorted(values, reverse=True)  # tried best first
+
+
+def test_product_tree_keeps_the_best_paths():
+    torch.manual_seed(0)
+    logp = torch.randn(3, 4).log_softmax(-1).sort(descending=True).values  # [K, W]
+    ids = torch.arange(12).reshape(3, 4) + 10
+    # Brute force: every path of depth <= 3, scored by its summed head log-probabilities.
+    score: dict[tuple[int, ...], float] = {}
+    for depth in (1, 2, 3):
+        for ranks in itertools.product(range(4), repeat=depth):
+            path = tuple(int(ids[i, r]) for i, r in enumerate(ranks))
+            score[path] = sum(float(logp[i, r]) for i, r in enumerate(ranks))
+    for nodes in (1, 5, 11, 30):
+        tree = product_tree(logp, ids, nodes, depth=3)
+        assert tree.size == nodes and tree.probs is None
+        got = paths_of(tree)
+        cutoff = sorted(score.values(), reverse=True)[nodes - 1]
+        assert all(score[p] >= cutoff - 1e-9 for p in got)
+        check_order(tree, score)
+
+
+def test_product_tree_respects_the_depth_limit():
+    logp = torch.zeros(4, 2) - math.log(2)
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]])
+    tree = product_tree(logp, ids, nodes=50, depth=2)
+    assert max(tree.depths()) == 2 and tree.size == 2 + 4
+    assert product_tree(logp, ids, nodes=5, depth=0).size == 0
+
+
+def test_best_subtree_is_closed_under_parents_and_ordered():
+    # A root level of three, each expanded with two children; scores are path log-probabilities.
+    tokens = [10, 11, 12, 20, 21, 22, 23, 24, 25]
+    parents = [-1, -1, -1, 0, 0, 1, 1, 2, 2]
+    scores = [-0.1, -1.0, -2.0, -0.3, -3.0, -1.1, -1.2, -2.1, -2.5]
+    tree = best_subtree(tokens, parents, scores, nodes=5)
+    all_paths = paths_of(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
+    score = dict(zip(all_paths, scores, strict=True))
+    got = paths_of(tree)
+    assert set(got) == {(10,), (10, 20), (11,), (11, 22), (11, 23)}
+    check_order(tree, score)
+
+
+def test_best_subtree_breaks_ties_towards_the_parent():
+    # A child as likely as its parent (probability 1) must not be kept without it.
+    tree = best_subtree([1, 2, 3], [-1, 0, -1], [-0.5, -0.5, -0.5], nodes=2)
+    assert paths_of(tree) == [(1,), (1, 2)] or paths_of(tree) == [(1,), (3,)]
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()))

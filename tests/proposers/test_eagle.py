@@ -1,0 +1,167 @@
+"""The eagle proposer in the engine: lossless greedy output with accepted trees, its cache of true
+features, tree limits, loading through the registry, and exact sampling (chi-square)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from tests.heads.tiny import trained
+from tests.test_engine_distribution import (  # noqa: F401 - fixtures used by name
+    ALPHA,
+    SEEDS,
+    describe,
+    distribution_checks,
+    exact_joint,
+    generate_all,
+    one_thread,
+    prefix_logits,
+    target,
+)
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.errors import VerispecError
+from verispec.heads.eagle import EagleConfig, EagleDrafter
+from verispec.heads.identity import identify
+from verispec.heads.io import LoadedHeads, save_heads
+from verispec.heads.vocab import VocabHead
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import quantize_int8_dynamic
+from verispec.proposers.base import build_proposer
+from verispec.proposers.eagle import EagleProposer
+from verispec.verify.tree import DraftTree
+
+PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3, [4]]
+
+
+def eagle_proposer(
+    model: HFCausalLM, drafter: EagleDrafter, nodes: int = 10, width: int = 3
+) -> EagleProposer:
+    embeddings = model.model.get_input_embeddings()
+    return EagleProposer(drafter, VocabHead(model, None), embeddings, nodes=nodes, width=width)
+
+
+def eagle_engine(model: HFCausalLM, drafter: EagleDrafter, k: int = 4) -> SpecEngine:
+    spec = SpecConfig(method="eagle", num_speculative_tokens=k, depth="fixed")
+    return SpecEngine(model, eagle_proposer(model, drafter), spec)
+
+
+def plain_outputs(model: HFCausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    plain = SpecEngine(model, None, SpecConfig())
+    return [plain.generate(p, max_new_tokens=n).token_ids for p in prompts]
+
+
+def test_greedy_eagle_equals_plain_and_accepts_drafts(tiny_target):
+    drafter, _, _ = trained(tiny_target, "eagle")
+    want = plain_outputs(tiny_target, PROMPTS, 40)
+    engine = eagle_engine(tiny_target, drafter)
+    alone = [engine.generate(p, max_new_tokens=40) for p in PROMPTS]
+    batched = engine.generate_batch(PROMPTS, max_new_tokens=40)
+    assert [g.token_ids for g in alone] == want
+    assert [g.token_ids for g in batched] == want
+    deep = sum(g.stats.accepted_at[1] for g in alone if len(g.stats.accepted_at) > 1)
+    assert sum(g.stats.num_accepted for g in alone) > 0 and deep > 0
+    assert sum(g.stats.num_steps for g in alone) < sum(len(w) for w in want)
+
+
+def test_greedy_eagle_on_the_int8_path_equals_plain():
+    int8_target = HFCausalLM(quantize_int8_dynamic(copy.deepcopy(tiny_llama(0))), name="tiny-int8")
+    int8_target.quantization = "int8"
+    drafter, _, _ = trained(int8_target, "eagle")
+    loaded = LoadedHeads(
+        "eagle", copy.deepcopy(drafter), identify(int8_target), None, {"nodes": 10, "width": 3}
+    )
+    proposer = EagleProposer.from_loaded(loaded, int8_target)
+    assert type(proposer.drafter.fc).__name__ == "RowwiseInt8Linear"
+    engine = SpecEngine(
+        int8_target, proposer, SpecConfig(method="eagle", num_speculative_tokens=4, depth="fixed")
+    )
+    got = engine.generate_batch(PROMPTS, max_new_tokens=30)
+    assert [g.token_ids for g in got] == plain_outputs(int8_target, PROMPTS, 30)
+    assert sum(g.stats.num_accepted for g in got) > 0
+
+
+def test_the_draft_cache_holds_every_committed_pair_with_true_features(tiny_target):
+    """After some steps the drafter's cache equals one causal pass over all pairs (h_j, x_{j+1}) with
+    the target's hidden states computed afresh: nothing drafted leaked into it."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    engine = eagle_engine(tiny_target, drafter)
+    engine.add(engine.make_request(PROMPTS[0], max_new_tokens=30))
+    for _ in range(5):
+        engine.step()
+    seq = engine.running[0]
+    state = seq.proposer_state
+    ids = seq.token_ids
+    hidden = tiny_target.forward(
+        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+    ).hidden[0]
+    n = state.fed
+    assert n + sum(p.shape[0] for p in state.pending) == len(ids) - 1
+    embeds = tiny_target.model.get_input_embeddings()(torch.tensor(ids[1 : n + 1]))[None]
+    with torch.no_grad():
+        _, keys, _ = drafter(
+            embeds, hidden[None, :n], torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+        )
+    torch.testing.assert_close(state.cache.keys, keys[0], rtol=1e-4, atol=1e-4)
+
+
+def test_trees_stay_within_k_nodes_and_width(tiny_target):
+    drafter, _, _ = trained(tiny_target, "eagle")
+    proposer = eagle_proposer(tiny_target, drafter, nodes=7, width=2)
+    ids = [1, 2, 3, 4]
+    state = proposer.new_state(ids, SamplingConfig())
+    assert proposer.propose(state, [9], 3).tokens.numel() == 0  # a one-token prompt: nothing yet
+    hidden = tiny_target.forward(
+        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+    )
+    proposer.prefill(state, hidden.hidden[0])
+    for k in (1, 2, 5):
+        tree = proposer.propose(state, ids, k)
+        assert isinstance(tree, DraftTree) and tree.probs is None
+        assert max(tree.depths()) <= k and tree.size <= 7 and len(tree.children()[0]) <= 2
+        assert tree.size == {1: 2, 2: 2 + 2 * 2, 5: 7}[k]  # level 1, then 2 expanded x 2 children
+    assert state.cache.length == len(ids) - 1  # drafting left the cache alone
+
+
+def test_registry_loads_eagle_heads_and_refuses_another_target(tmp_path, tiny_target):
+    drafter, vocab, _ = trained(tiny_target, "eagle", draft_vocab=40, epochs=2)
+    save_heads(tmp_path / "eagle", "eagle", drafter, identify(tiny_target), vocab)
+    proposer = build_proposer(
+        SpecConfig(method="eagle", heads=str(tmp_path), tree_nodes=5), tiny_target, None
+    )
+    assert isinstance(proposer, EagleProposer) and proposer.nodes == 5 and proposer.vocab_head.size == 40
+    engine = SpecEngine(
+        tiny_target, proposer, SpecConfig(method="eagle", num_speculative_tokens=3, depth="fixed")
+    )
+    got = engine.generate_batch(PROMPTS, max_new_tokens=20)
+    assert [g.token_ids for g in got] == plain_outputs(tiny_target, PROMPTS, 20)
+    with pytest.raises(VerispecError, match="not for other-tiny"):
+        build_proposer(
+            SpecConfig(method="eagle", heads=str(tmp_path)), HFCausalLM(tiny_llama(5), "other-tiny"), None
+        )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_k=4)],
+    ids=["temperature-1", "top-k-4"],
+)
+def test_eagle_engine_samples_the_target_distribution(target, prefix_logits, sampling):  # noqa: F811
+    """A random drafter's 3-deep dynamic trees: the sampled sequences must follow the target's joint
+    distribution whatever the drafter proposes."""
+    torch.manual_seed(4)
+    drafter = EagleDrafter(EagleConfig.for_target(target)).eval()
+    engine = SpecEngine(
+        target,
+        eagle_proposer(target, drafter, nodes=6, width=3),
+        SpecConfig(method="eagle", num_speculative_tokens=3, depth="fixed"),
+    )
+    tokens, totals = generate_all(engine, sampling, SEEDS)
+    assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
+    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
+    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
+    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
+    assert not failed, describe(checks)

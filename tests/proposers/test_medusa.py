@@ -1,0 +1,145 @@
+"""The medusa proposer in the engine: lossless greedy output with accepted trees, the hidden state it
+drafts from, loading through the registry, and exact sampling (chi-square, as the engine's tests)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from tests.heads.tiny import trained
+from tests.test_engine_distribution import (  # noqa: F401 - fixtures used by name
+    ALPHA,
+    SEEDS,
+    describe,
+    distribution_checks,
+    exact_joint,
+    generate_all,
+    one_thread,
+    prefix_logits,
+    target,
+)
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.errors import VerispecError
+from verispec.heads.identity import identify
+from verispec.heads.io import save_heads
+from verispec.heads.medusa import MedusaConfig, MedusaHeads
+from verispec.heads.vocab import VocabHead
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import quantize_int8_dynamic
+from verispec.proposers.base import build_proposer
+from verispec.proposers.medusa import MedusaProposer
+from verispec.verify.tree import DraftTree
+
+PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3, [4]]
+
+
+def medusa_engine(model: HFCausalLM, heads: MedusaHeads, k: int = 3, nodes: int = 8) -> SpecEngine:
+    spec = SpecConfig(method="medusa", num_speculative_tokens=k, depth="fixed")
+    proposer = MedusaProposer(heads, VocabHead(model, None), nodes=nodes, width=3)
+    return SpecEngine(model, proposer, spec)
+
+
+def plain_outputs(model: HFCausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    plain = SpecEngine(model, None, SpecConfig())
+    return [plain.generate(p, max_new_tokens=n).token_ids for p in prompts]
+
+
+def test_greedy_medusa_equals_plain_and_accepts_drafts(tiny_target):
+    heads, _, _ = trained(tiny_target, "medusa")
+    want = plain_outputs(tiny_target, PROMPTS, 40)
+    engine = medusa_engine(tiny_target, heads)
+    alone = [engine.generate(p, max_new_tokens=40) for p in PROMPTS]
+    batched = engine.generate_batch(PROMPTS, max_new_tokens=40)
+    assert [g.token_ids for g in alone] == want
+    assert [g.token_ids for g in batched] == want
+    accepted_at = [
+        sum(g.stats.accepted_at[i] for g in alone if len(g.stats.accepted_at) > i) for i in range(3)
+    ]
+    assert accepted_at[0] > 0 and accepted_at[1] > 0, accepted_at  # trees accepted beyond depth 1
+    assert sum(g.stats.num_steps for g in alone) < sum(len(w) for w in want)
+
+
+def test_greedy_medusa_on_the_int8_path_equals_plain():
+    int8_target = HFCausalLM(quantize_int8_dynamic(copy.deepcopy(tiny_llama(0))), name="tiny-int8")
+    int8_target.quantization = "int8"
+    heads, _, _ = trained(int8_target, "medusa")
+    proposer = MedusaProposer.from_loaded(_loaded(int8_target, heads), int8_target)
+    assert type(proposer.heads.medusa_head[0][0].linear).__name__ == "RowwiseInt8Linear"
+    engine = SpecEngine(
+        int8_target, proposer, SpecConfig(method="medusa", num_speculative_tokens=3, depth="fixed")
+    )
+    got = engine.generate_batch(PROMPTS, max_new_tokens=30)
+    assert [g.token_ids for g in got] == plain_outputs(int8_target, PROMPTS, 30)
+    assert sum(g.stats.num_accepted for g in got) > 0
+
+
+def _loaded(model: HFCausalLM, heads: MedusaHeads):
+    from verispec.heads.io import LoadedHeads
+
+    return LoadedHeads("medusa", copy.deepcopy(heads), identify(model), None, {"nodes": 8, "width": 3})
+
+
+def test_the_proposer_drafts_from_the_state_before_the_pending_token(tiny_target):
+    heads, _, _ = trained(tiny_target, "medusa")
+    engine = medusa_engine(tiny_target, heads)
+    engine.add(engine.make_request(PROMPTS[1], max_new_tokens=30))
+    for _ in range(4):
+        engine.step()
+    seq = engine.running[0]
+    ids = seq.token_ids[:-1]  # the pending (last) token has not been through the target yet
+    fresh = tiny_target.forward(
+        torch.tensor([ids]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+    )
+    torch.testing.assert_close(seq.proposer_state.last_hidden, fresh.hidden[0, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_tree_shape_follows_k_nodes_and_width(tiny_target):
+    heads, _, _ = trained(tiny_target, "medusa")
+    proposer = MedusaProposer(heads, VocabHead(tiny_target, None), nodes=10, width=4)
+    state = proposer.new_state([1, 2, 3], SamplingConfig())
+    assert proposer.propose(state, [1, 2, 3], 3).tokens.numel() == 0  # nothing seen yet
+    proposer.prefill(state, torch.randn(2, 64))
+    for k, depth in ((1, 1), (2, 2), (5, 3)):  # at most k deep, and at most one level per head
+        tree = proposer.propose(state, [1, 2, 3], k)
+        assert isinstance(tree, DraftTree) and tree.probs is None
+        assert max(tree.depths()) == depth and tree.size == min(10, 4 * (1 if k == 1 else 10))
+        assert len(tree.children()[0]) <= 4
+
+
+def test_registry_loads_heads_from_a_folder_and_refuses_another_target(tmp_path, tiny_target):
+    heads, vocab, _ = trained(tiny_target, "medusa")
+    save_heads(tmp_path, "medusa", heads, identify(tiny_target), vocab, tree={"nodes": 6, "width": 2})
+    spec = SpecConfig(method="medusa", heads=str(tmp_path), num_speculative_tokens=3, tree_width=3)
+    proposer = build_proposer(spec, tiny_target, None)
+    assert isinstance(proposer, MedusaProposer) and (proposer.nodes, proposer.width) == (6, 3)
+    other = HFCausalLM(tiny_llama(5), name="other-tiny")
+    with pytest.raises(VerispecError, match="trained for tiny-target, not for other-tiny"):
+        build_proposer(spec, other, None)
+    with pytest.raises(VerispecError, match="no medusa heads are shipped for other-tiny"):
+        build_proposer(SpecConfig(method="medusa"), other, None)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)],
+    ids=["temperature-1", "temperature-0.7-top-p-0.9"],
+)
+def test_medusa_engine_samples_the_target_distribution(target, prefix_logits, sampling):  # noqa: F811
+    """Random heads (they need not be good: only acceptance depends on them) proposing 2-deep trees of
+    top-3 candidates; every sampled sequence must still follow the target's joint distribution."""
+    torch.manual_seed(3)
+    heads = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))
+    for p in heads.parameters():
+        p.data.normal_(0, 0.2)
+    spec = SpecConfig(method="medusa", num_speculative_tokens=2, depth="fixed")
+    engine = SpecEngine(target, MedusaProposer(heads, VocabHead(target, None), nodes=6, width=3), spec)
+    tokens, totals = generate_all(engine, sampling, SEEDS)
+    assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
+    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
+    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
+    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
+    assert not failed, describe(checks)

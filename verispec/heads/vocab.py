@@ -1,0 +1,80 @@
+"""The target's LM head, frozen and optionally restricted to a draft vocabulary.
+
+Heads predict tokens through the target's own LM head (they only move the hidden state), so they
+ship no vocabulary-sized weights. The full head is the costliest part of drafting on a CPU: one row
+of the 1.5B's 152k x 1536 head reads 233 MB (int8). Like EAGLE-3, heads can be trained for and
+draft over the N most frequent tokens of the training data only: the head is cut to those rows
+(a tenth of the cost for N = 16k), and a token outside them is never proposed, which costs
+acceptance only where the target would have chosen a rare token. The draft vocabulary is saved with
+the heads (``draft_vocab``, target token ids in draft-index order).
+
+Drafting uses the target's head as it runs (int8 on the CPU fast path, rows sliced without
+re-quantizing); training uses its float weights (the de-quantized int8 weights for an int8 target,
+so the heads learn the head they will draft with).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from verispec.models.quant import RowwiseInt8Linear
+
+
+def float_lm_head_weight(target: Any) -> torch.Tensor:
+    """[V, H] float32 weights of the target's LM head (de-quantized if it runs int8)."""
+    head = target.lm_head
+    if isinstance(head, RowwiseInt8Linear):
+        int8, scales = _int8_rows(head)
+        return (int8[:, : head.in_features].float() * scales[:, None]).contiguous()
+    return head.weight.detach().float().cpu()
+
+
+def _int8_rows(head: RowwiseInt8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight, _ = torch.ops.quantized.linear_unpack(head._packed)
+    return qweight.int_repr(), qweight.q_per_channel_scales().float()
+
+
+class VocabHead(nn.Module):
+    """Logits over the draft vocabulary from hidden states ``[..., H]`` (all of it if ``vocab`` is None).
+
+    The weights are the target's and are never trained: registered as buffers, not parameters.
+    """
+
+    def __init__(self, target: Any, vocab: torch.Tensor | None, *, for_training: bool = False) -> None:
+        super().__init__()
+        ids = vocab.long() if vocab is not None else None
+        self.register_buffer("vocab", ids if ids is not None else torch.empty(0, dtype=torch.long))
+        self.size = int(ids.numel()) if ids is not None else int(target.vocab_size)
+        self.softcap = getattr(target, "softcap", None)
+        head = target.lm_head
+        self.linear: nn.Module | None = None
+        if not for_training and isinstance(head, RowwiseInt8Linear):
+            int8, scales = _int8_rows(head)
+            if ids is not None:
+                int8, scales = int8[ids], scales[ids]
+            self.linear = RowwiseInt8Linear(int8.contiguous(), scales.contiguous(), None)
+            self.register_buffer("weight", torch.empty(0))
+        else:
+            weight = float_lm_head_weight(target)
+            self.register_buffer("weight", (weight[ids] if ids is not None else weight).contiguous())
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(hidden.float()) if self.linear is not None else hidden @ self.weight.T
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary indices."""
+        return self.vocab[draft_ids] if self.vocab.numel() else draft_ids
+
+    def target_to_draft(self, vocab_size: int) -> torch.Tensor:
+        """[V] int64: each target token's draft index, or -1 outside the draft vocabulary."""
+        if not self.vocab.numel():
+            return torch.arange(vocab_size)
+        out = torch.full((vocab_size,), -1, dtype=torch.long)
+        out[self.vocab] = torch.arange(self.vocab.numel())
+        return out
