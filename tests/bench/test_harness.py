@@ -152,7 +152,7 @@ def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"methods": ("medusa",)}, "unknown method"),
+        ({"methods": ("lookahead",)}, "unknown method"),
         ({"methods": ("draft",)}, "draft model"),
         ({"baselines": ("vllm",)}, "unknown baseline"),
         ({"datasets": ("gsm8k",)}, "unknown dataset"),
@@ -184,9 +184,9 @@ def test_settings_put_plain_first_and_resolve_categories_per_dataset():
 
 
 def test_cli_bench_reports_user_errors_in_one_line(capsys):
-    assert main(["bench", "--target", "x", "--methods", "none,medusa"]) == 2
+    assert main(["bench", "--target", "x", "--methods", "none,lookahead"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("verispec: error: unknown method medusa") and "Traceback" not in err
+    assert err.startswith("verispec: error: unknown method lookahead") and "Traceback" not in err
 
 
 # ------------------------------------------------------------------ partial results survive a failure
