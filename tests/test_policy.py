@@ -242,10 +242,10 @@ def test_long_contexts_make_extra_draft_tokens_dearer():
 
 def test_a_draft_model_far_behind_must_pay_to_catch_up_first():
     """A sequence whose draft model sat out many steps must feed it the missed tokens before
-    drafting: with 1500 of them, a draft that would otherwise pay does not."""
+    drafting: with 5000 of them, a draft that would otherwise pay does not."""
     costs = StepCostModel(Curve((1, 64), (0.100, 0.110)), draft=Curve((1, 16), (0.020, 0.060)))
     good = [0.9 ** (j + 1) for j in range(5)]
     policy = AdaptiveDepth(costs)
     assert policy.choose([DepthQuery(cap=5, survival=good, backlog=2)])[0] > 0
-    assert policy.choose([DepthQuery(cap=5, survival=good, backlog=1500)]) == [0]
+    assert policy.choose([DepthQuery(cap=5, survival=good, backlog=5000)]) == [0]
     assert costs.draft_catch_up_seconds(2) == 0.0

@@ -31,6 +31,8 @@ from verispec.models.base import CausalLM
 TARGET_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 DRAFT_ROWS = (1, 2, 4, 8, 16)
 _ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens, as verify steps are
+CATCH_UP_HORIZON = 16
+"""Steps a draft model's catch-up cost is spread over (see :meth:`StepCostModel.draft_catch_up_seconds`)."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,10 @@ class StepCostModel:
         the one or two any first draft step feeds anyway (priced like that many one-token rows)."""
         if self.draft is None or backlog <= 2:
             return 0.0
-        return (self.draft(backlog) - self.draft(2)) * self.draft_scale
+        # A one-time cost: once caught up, the sequence speculates for many steps, so it is spread
+        # over CATCH_UP_HORIZON steps (charging it all to one step would keep a new sequence, whose
+        # draft has not seen its prompt, from ever starting).
+        return (self.draft(backlog) - self.draft(2)) * self.draft_scale / CATCH_UP_HORIZON
 
     def observe_target(self, tokens: int, seconds: float, key_queries: float = 0.0) -> None:
         predicted = self.target(tokens) + self.per_key * key_queries
