@@ -59,19 +59,23 @@ def test_outputs_match_the_synchronous_engine(tiny_target, tiny_draft):
 
 def test_full_queue_is_refused_before_any_output(running):
     gate = threading.Event()
-    running.call(lambda e: gate.wait(10))  # hold the thread so both adds run in one drain, no step between
+    running.call(lambda e: gate.wait(10))  # hold the thread so all adds run in one drain, no step between
 
     async def run() -> tuple[object, object]:
         engine = running.engine
-        first = asyncio.ensure_future(running.add(engine.make_request(PROMPT, max_new_tokens=5)))
-        second = asyncio.ensure_future(running.add(engine.make_request(PROMPT, max_new_tokens=5)))
-        await asyncio.sleep(0.05)  # both commands are queued behind the gate
+        # Batch 1 + 1 waiting: the first takes the free slot, the second waits, the third is refused.
+        adds = [
+            asyncio.ensure_future(running.add(engine.make_request(PROMPT, max_new_tokens=5)))
+            for _ in range(3)
+        ]
+        await asyncio.sleep(0.05)  # the commands are queued behind the gate
         gate.set()
-        results = await asyncio.gather(first, second, return_exceptions=True)
-        stream = results[0]
-        async with stream:  # type: ignore[attr-defined]
-            outputs = [out async for out in stream]  # type: ignore[attr-defined]
-        return results[1], outputs[-1]
+        results = await asyncio.gather(*adds, return_exceptions=True)
+        last = None
+        for stream in results[:2]:
+            async with stream:  # type: ignore[attr-defined]
+                last = [out async for out in stream][-1]  # type: ignore[attr-defined]
+        return results[2], last
 
     refusal, last = asyncio.run(run())
     assert isinstance(refusal, QueueFullError) and refusal.retry_after >= 1

@@ -121,7 +121,7 @@ def test_abort_frees_the_sequence_and_the_others_go_on(tiny_target, tiny_draft):
 def test_a_full_queue_refuses_with_a_retry_hint(tiny_target):
     engine = engine_for(tiny_target, None, None, batch=1)
     engine.scheduler = SchedulerConfig(max_batch_size=1, max_waiting=2)
-    for _ in range(2):
+    for _ in range(3):  # one for the free batch slot, two to wait behind it
         engine.add(engine.make_request(PROMPTS[0], max_new_tokens=4))
     with pytest.raises(QueueFullError) as info:
         engine.add(engine.make_request(PROMPTS[0], max_new_tokens=4))

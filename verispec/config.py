@@ -162,7 +162,8 @@ class SchedulerConfig:
     max_batch_size: int = 8
     """Sequences decoding together; more requests wait in the queue."""
     max_waiting: int = 64
-    """Requests allowed to wait; beyond it a request is refused (HTTP 429 with Retry-After)."""
+    """Requests allowed to wait behind a full batch; beyond it a request is refused (HTTP 429 with
+    Retry-After). Requests that free batch slots will take at the next step do not count."""
     prefill_chunk: int = 512
     """Prompt tokens fed per step: a long prompt is prefilled over several steps, so the running
     sequences keep producing tokens meanwhile."""

@@ -189,12 +189,19 @@ class SpecEngine:
         return Request(prompt_ids, sampling, max_new_tokens, tuple(stop), k, **extra)
 
     def add(self, request: Request) -> None:
-        """Queue a request; raises :class:`QueueFullError` when ``max_waiting`` are already queued."""
+        """Queue a request; raises :class:`QueueFullError` when ``max_waiting`` requests already wait
+        behind a full batch.
+
+        Requests that the next step will admit into free batch slots do not count: a burst that
+        fits in the batch is never refused because it arrived between two steps.
+        """
         if request.request_id in self._by_id:
             raise VerispecError(f"request id {request.request_id!r} is already in use")
-        if len(self.waiting) >= self.scheduler.max_waiting:
+        behind = len(self.waiting) - max(0, self.scheduler.max_batch_size - len(self.running))
+        if behind >= self.scheduler.max_waiting:
             raise QueueFullError(
-                f"{len(self.waiting)} requests are waiting (the limit); retry shortly", self.retry_after()
+                f"{behind} requests are waiting behind a full batch (the limit); retry shortly",
+                self.retry_after(),
             )
         seq = SeqState(
             request=request,

@@ -45,6 +45,9 @@ from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 
 IGNORE = -100
+LABELS = ("soft", "target", "data")
+"""soft: the target's distribution over the draft vocabulary (its LM head on the stored hidden state
+whose output the label is); target: its argmax; data: the text's own next token."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,8 @@ class TrainSettings:
     """EAGLE: passes of training-time test (draft depths trained on the drafter's own features)."""
     draft_vocab: int = 8192
     """Most frequent label tokens the heads draft over (0: the whole vocabulary)."""
-    labels: str = "target"
-    """'target': the target's argmax next token (self-distillation); 'data': the text's next token."""
+    labels: str = "soft"
+    """See :data:`LABELS`: 'soft' and 'target' distil the target itself, 'data' learns the text."""
     epochs: int = 2
     batch_tokens: int = 2048
     lr: float = 1e-3
@@ -76,8 +79,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise VerispecError(f"unknown heads kind {self.kind!r}; choose one of {', '.join(KINDS)}")
-        if self.labels not in ("target", "data"):
-            raise VerispecError(f"--labels must be target or data, got {self.labels!r}")
+        if self.labels not in LABELS:
+            raise VerispecError(f"--labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
         for name, low in (("num_heads", 1), ("unroll", 1), ("epochs", 1), ("batch_tokens", 16)):
             if getattr(self, name) < low:
                 raise VerispecError(f"{name} must be >= {low}, got {getattr(self, name)}")
@@ -118,7 +121,7 @@ class TokenData:
         ok = inside & labelled[np.minimum(nxt, total - 1)]
         self.greedy = torch.from_numpy(np.asarray(arrays["argmax"]).astype(np.int64))
         text_next = np.where(inside, tokens[np.minimum(nxt, total - 1)], 0)
-        self.label = self.greedy if labels == "target" else torch.from_numpy(text_next)
+        self.label = torch.from_numpy(text_next) if labels == "data" else self.greedy
         self.ok = torch.from_numpy(ok)
         self.tokens = torch.from_numpy(tokens)
 
@@ -163,8 +166,10 @@ def medusa_loss(
     j: torch.Tensor,
     decay: float,
     feature_weight: float = 0.0,
+    soft: bool = False,
 ) -> torch.Tensor:
-    """Weighted cross-entropy of every head at positions ``j`` (head i's label: token j + 2 + i).
+    """Weighted cross-entropy of every head at positions ``j`` (head i's label: token j + 2 + i);
+    ``soft``: against the target's own distribution there (its LM head on ``h_{j+1+i}``).
 
     With ``feature_weight``, head i's output is also pulled (smooth L1) towards the target's hidden
     state ``h_{j+1+i}``, the state whose LM-head output *is* the label: a dense signal, where the
@@ -176,10 +181,15 @@ def medusa_loss(
     target[~valid | (target < 0)] = IGNORE
     out = heads(data.features(j))  # [B, K, H]
     logits = vocab(out)  # [B, K, N]
-    future = data.features(pos) if feature_weight else None
+    future = data.features(pos) if feature_weight or soft else None
     loss = logits.new_zeros(())
     for i in range(k):
-        if (target[:, i] != IGNORE).any():
+        if soft and future is not None and valid[:, i].any():
+            rows = valid[:, i]
+            with torch.no_grad():
+                teacher = vocab(future[rows, i]).softmax(dim=-1)
+            loss = loss + decay**i * F.cross_entropy(logits[rows, i], teacher)
+        elif not soft and (target[:, i] != IGNORE).any():
             loss = loss + decay**i * F.cross_entropy(logits[:, i], target[:, i], ignore_index=IGNORE)
         if future is not None and valid[:, i].any():
             rows = valid[:, i]
@@ -293,8 +303,13 @@ def eagle_loss(
     for d, (out, counts) in enumerate(eagle_passes(drafter, batch, settings.unroll)):
         if not counts.any():
             continue
-        t = target.masked_fill(~counts | (target < 0), IGNORE)
-        ce = F.cross_entropy(vocab(out[counts]), t[counts], ignore_index=IGNORE)
+        if settings.labels == "soft":
+            with torch.no_grad():
+                teacher = vocab(batch.next_features[counts]).softmax(dim=-1)
+            ce = F.cross_entropy(vocab(out[counts]), teacher)
+        else:
+            t = target.masked_fill(~counts | (target < 0), IGNORE)
+            ce = F.cross_entropy(vocab(out[counts]), t[counts], ignore_index=IGNORE)
         feat = F.smooth_l1_loss(out[counts], batch.next_features[counts])
         loss = loss + settings.depth_decay**d * (ce + settings.feature_weight * feat)
     return loss
@@ -453,6 +468,7 @@ def train_heads(
     vocab = VocabHead(target, vocab_ids, for_training=True)
     to_draft = vocab.target_to_draft(target.vocab_size)
     width = settings.tree["width"]
+    soft = settings.labels == "soft"
     rng_for = lambda epoch: np.random.default_rng(settings.seed * 1000 + epoch)  # noqa: E731
     if settings.kind == "medusa":
         heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, num_heads=settings.num_heads))
@@ -467,7 +483,7 @@ def train_heads(
             heads,
             medusa_batches,
             lambda j: medusa_loss(
-                heads, vocab, data, to_draft, j, settings.depth_decay, settings.feature_weight
+                heads, vocab, data, to_draft, j, settings.depth_decay, settings.feature_weight, soft
             ),
             settings,
             checkpoint,
@@ -531,8 +547,12 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--intermediate-size", type=int, default=None, help="eagle: MLP width (default: target's)")
     p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test passes")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N commonest tokens (0: all)")
-    p.add_argument("--labels", choices=["target", "data"], default="target",
-                   help="target: the target's argmax next token (default); data: the text's")  # fmt: skip
+    p.add_argument(
+        "--labels",
+        choices=LABELS,
+        default="soft",
+        help="soft (default): the target's distribution; target: its argmax; data: the text's next token",
+    )
     p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
     p.add_argument("--code-fraction", type=float, default=0.3, help="share of tokens from stdlib code")
     p.add_argument("--max-seq-len", type=int, default=1024)

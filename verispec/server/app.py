@@ -303,6 +303,9 @@ async def _stream(
                 yield "".join(chunks)  # one write per step; still one SSE event per token
         if last is not None:
             reason = last.finish_reason or "error"
+            # Counted before the last writes: a client that stops reading at [DONE] (the openai
+            # client does) must find the request already counted, not after this generator resumes.
+            timer.finish(reason)
             if include_usage:
                 yield writer.usage(prompt_tokens, completion_tokens, last.stats)
         yield DONE
