@@ -22,6 +22,7 @@ from verispec.policy import (
     AdaptiveDepth,
     DepthQuery,
     FixedDepth,
+    TreeCalibration,
 )
 from verispec.proposers.base import Proposer
 from verispec.types import Draft
@@ -249,3 +250,26 @@ def test_a_draft_model_far_behind_must_pay_to_catch_up_first():
     assert policy.choose([DepthQuery(cap=5, survival=good, backlog=2)])[0] > 0
     assert policy.choose([DepthQuery(cap=5, survival=good, backlog=5000)]) == [0]
     assert costs.draft_catch_up_seconds(2) == 0.0
+
+
+def test_tree_calibration_learns_how_confident_the_drafter_really_is():
+    calibration = TreeCalibration()
+    assert calibration.factor == 1.0 and calibration.gains([0.0, -0.7]) == pytest.approx(
+        [1.0, 0.4966], abs=1e-3
+    )
+    for _ in range(200):  # the drafter predicts 4 accepted nodes per tree, verification keeps 1
+        calibration.observe(predicted=4.0, accepted=1)
+    steady = (1 / 0.02 + 4) / (4 / 0.02 + 4)  # discounted sums at decay 0.98, plus the prior's 4
+    assert calibration.factor == pytest.approx(steady, rel=0.01) and 0.25 < steady < 0.27
+    assert calibration.gains([0.0, -0.7]) == pytest.approx([steady, steady / 2], rel=0.01)
+
+
+def test_tree_nodes_are_kept_while_their_gain_pays_for_their_verify_token():
+    gains = [0.9, 0.6, 0.3, 0.1, 0.05, 0.02]
+    query = DepthQuery(cap=len(gains), survival=gains, context=10)
+    assert AdaptiveDepth(FLAT).choose([query]) == [6]  # memory-bound: every node is nearly free
+    assert AdaptiveDepth(LINEAR).choose([query]) == [0]  # a node costs a token's forward, gains < 1
+    costs = StepCostModel(Curve((1, 8), (0.1, 0.2)))  # each verify token costs 14% of a step
+    kept = AdaptiveDepth(costs).choose([query])[0]
+    rate = lambda m: (1 + sum(gains[:m])) / costs.target_seconds(1 + m, 10 * (1 + m))  # noqa: E731
+    assert kept == max(range(7), key=rate) == 3  # the best prefix: nodes worth their token

@@ -36,7 +36,14 @@ from verispec.detok import IncrementalDetokenizer
 from verispec.errors import QueueFullError, VerispecError
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
-from verispec.policy import AcceptanceEstimate, AcceptancePrior, DepthPolicy, DepthQuery, make_policy
+from verispec.policy import (
+    AcceptanceEstimate,
+    AcceptancePrior,
+    DepthPolicy,
+    DepthQuery,
+    TreeCalibration,
+    make_policy,
+)
 from verispec.proposers.base import Proposer
 from verispec.sampling import make_generator
 from verispec.types import Draft, FinishReason, Generation, TokenEvent
@@ -138,6 +145,8 @@ class SpecEngine:
         self._costs = costs
         self._policy: DepthPolicy | None = None
         self.prior = AcceptancePrior()
+        self.tree_calibration = TreeCalibration()
+        """How far the proposer's tree scores are from what verification accepts (trees only)."""
         self.waiting: deque[SeqState] = deque()
         self.running: list[SeqState] = []
         self._by_id: dict[str, SeqState] = {}
@@ -300,7 +309,7 @@ class SpecEngine:
             _ = self.policy  # built (costs measured or loaded) outside the step's timings
         t0 = time.perf_counter()
         ks = self._depths(seqs)
-        drafts = self._propose(seqs, ks)
+        drafts = self._size_trees(seqs, self._propose(seqs, ks))
         t1 = time.perf_counter()
         starts = [s.cache.length for s in seqs]
         rows, positions, masks = [], [], []
@@ -333,6 +342,8 @@ class SpecEngine:
                 kept_rows = [0] + [i + 1 for i in tree_result.path]
                 seq.cache.compact(starts[b], kept_rows)
                 tokens, num_accepted, depth = tree_result.tokens, tree_result.num_accepted, _depth(draft)
+                if draft.scores is not None:
+                    self.tree_calibration.observe(float(draft.scores.exp().sum()), num_accepted)
             else:
                 result = (typical.verify if lossy else verify)(
                     draft, logits, seq.request.sampling, seq.generator
@@ -367,6 +378,9 @@ class SpecEngine:
         if self.proposer is None or not any(caps):
             return [0] * len(seqs)
         proposer = self.proposer
+        if proposer.drafts_trees:  # sized after drafting (_size_trees); only the batch cut-off applies here
+            cut = self.policy.disable_by_batch_size
+            return [0] * len(seqs) if cut is not None and len(seqs) >= cut else caps
         queries = [
             DepthQuery(
                 cap=c,
@@ -393,6 +407,32 @@ class SpecEngine:
                 raise RuntimeError(f"proposer drafted {_depth(draft)} deep, more than the {ks[i]} asked for")
             drafts[i] = draft
         return drafts
+
+    def _size_trees(self, seqs: list[SeqState], drafts: list[Draft | DraftTree]) -> list[Draft | DraftTree]:
+        """Keep the best prefix of each scored tree that the depth policy finds worth verifying.
+
+        The policy sees each node's calibrated acceptance probability as the gain of one more verify
+        token, so a confident tree stays large and a doubtful one shrinks, as the batch's costs allow.
+        Only the drafter's scores and past outcomes decide: exact, as the candidates are deterministic.
+        """
+        scored = {
+            i: self.tree_calibration.gains(d.scores.tolist())
+            for i, d in enumerate(drafts)
+            if isinstance(d, DraftTree) and d.scores is not None and d.size
+        }
+        if not scored:
+            return drafts
+        queries = [
+            DepthQuery(cap=len(scored.get(i, ())), survival=scored.get(i, ()), context=s.cache.length)
+            for i, s in enumerate(seqs)
+        ]
+        budgets = self.policy.choose(queries)
+        out = list(drafts)
+        for i in scored:
+            tree = drafts[i]
+            assert isinstance(tree, DraftTree)
+            out[i] = tree.prefix(budgets[i]) if budgets[i] > 0 else Draft.empty()
+        return out
 
     def _commit(
         self, seq: SeqState, tokens: list[int], num_accepted: int, hidden: torch.Tensor | None

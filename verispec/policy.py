@@ -14,6 +14,13 @@ time for that many tokens in the batch, each attending to its sequence's ``c_i``
 ``T_draft`` the time of the draft model's batched
 steps (zero for prompt lookup). See :mod:`verispec.costs` for the curves.
 
+Token trees (Medusa, EAGLE) are sized the same way, after drafting: node j of a tree (best first)
+adds ``P(node j accepted)`` to the expected committed tokens and one token to the forward, and the
+drafter's own path probability, corrected by :class:`TreeCalibration`, estimates that probability
+(the expected accepted length of a tree is the sum over its nodes). The same ascent then keeps, per
+sequence, the best prefix of its tree that pays for its verify tokens (EAGLE-2's rerank with a
+cost-aware budget instead of a fixed node count).
+
 Exactness: the choice uses only what is known before this step's verification (past acceptance,
 batch size, costs). A scheduler that looks at the realised target outcome (for example, verifying a
 draft only when the target would accept it) biases the output; ``tests/test_policy.py`` shows
@@ -23,6 +30,7 @@ staying exact with this policy.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +116,36 @@ class AcceptanceEstimate:
         return out
 
 
+class TreeCalibration:
+    """How a drafter's path probabilities compare with what verification accepts.
+
+    A drafter trained on little data is over- or under-confident; the ratio of accepted nodes to
+    the probability mass it predicted for the trees it submitted (discounted, so it follows drift,
+    and shrunk toward 1 by ``strength`` pseudo-observations) rescales its probabilities into the
+    node gains the policy prices.
+    """
+
+    def __init__(self, decay: float = 0.98, strength: float = 4.0) -> None:
+        self.decay = decay
+        self.strength = strength
+        self.accepted = 0.0
+        self.predicted = 0.0
+
+    @property
+    def factor(self) -> float:
+        return (self.accepted + self.strength) / (self.predicted + self.strength)
+
+    def observe(self, predicted: float, accepted: int) -> None:
+        """One verified tree: the summed path probabilities of its nodes and the nodes accepted."""
+        self.accepted = self.accepted * self.decay + accepted
+        self.predicted = self.predicted * self.decay + predicted
+
+    def gains(self, scores: Sequence[float]) -> list[float]:
+        """Expected accepted tokens each node adds: calibrated path probabilities, capped at 1."""
+        factor = self.factor
+        return [min(1.0, factor * math.exp(score)) for score in scores]
+
+
 def _outcomes(drafted: int, accepted: int) -> list[tuple[int, float]]:
     """(position, 1.0 accepted / 0.0 rejected) for the positions verified conditional on the ones
     before being accepted: every accepted one and the first rejected one."""
@@ -122,7 +160,8 @@ class DepthQuery:
     """Most draft tokens allowed: the request's maximum, cut by the tokens it may still generate;
     0 when the request turned speculation off."""
     survival: Sequence[float]
-    """P(the first j drafts are all accepted), j = 1..cap, from past steps only."""
+    """P(the first j drafts are all accepted), j = 1..cap, from past steps only; for a drafted tree,
+    the calibrated probability that its j-th best node is accepted."""
     context: int = 0
     """Tokens in the sequence's cache: what each of its query tokens attends to."""
     backlog: int = 0

@@ -72,3 +72,19 @@ def test_best_subtree_breaks_ties_towards_the_parent():
     tree = best_subtree([1, 2, 3], [-1, 0, -1], [-0.5, -0.5, -0.5], nodes=2)
     assert paths_of(tree) == [(1,), (1, 2)] or paths_of(tree) == [(1,), (3,)]
     assert all(p < i for i, p in enumerate(tree.parents.tolist()))
+
+
+def test_scores_fall_so_every_prefix_is_the_best_subtree_of_its_size():
+    torch.manual_seed(1)
+    logp = torch.randn(3, 4).log_softmax(-1).sort(descending=True).values
+    ids = torch.arange(12).reshape(3, 4) + 10
+    full = product_tree(logp, ids, nodes=20, depth=3)
+    assert full.scores is not None and bool((full.scores[1:] <= full.scores[:-1]).all())
+    for n in (1, 4, 9, 20):
+        cut = full.prefix(n)
+        direct = product_tree(logp, ids, nodes=n, depth=3)
+        assert paths_of(cut) == paths_of(direct) and torch.equal(cut.scores, direct.scores)
+    tokens, parents = [10, 11, 20, 21], [-1, -1, 0, 1]
+    reranked = best_subtree(tokens, parents, [-0.2, -0.9, -0.4, -1.5], nodes=4)
+    assert reranked.scores.tolist() == [-0.2, -0.4, -0.9, -1.5]
+    assert paths_of(reranked.prefix(2)) == [(10,), (10, 20)]

@@ -102,12 +102,15 @@ def test_tree_shape_follows_k_nodes_and_width(tiny_target):
     proposer = MedusaProposer(heads, VocabHead(tiny_target, None), nodes=10, width=4)
     state = proposer.new_state([1, 2, 3], SamplingConfig())
     assert proposer.propose(state, [1, 2, 3], 3).tokens.numel() == 0  # nothing seen yet
-    proposer.prefill(state, torch.randn(2, 64))
+    proposer.prefill(state, torch.randn(2, 64, generator=torch.Generator().manual_seed(0)))
+    wide = MedusaProposer(heads, VocabHead(tiny_target, None), nodes=4 + 16 + 64, width=4)
     for k, depth in ((1, 1), (2, 2), (5, 3)):  # at most k deep, and at most one level per head
         tree = proposer.propose(state, [1, 2, 3], k)
         assert isinstance(tree, DraftTree) and tree.probs is None
-        assert max(tree.depths()) == depth and tree.size == min(10, 4 * (1 if k == 1 else 10))
+        assert max(tree.depths()) <= depth and tree.size == min(10, 4 * (1 if k == 1 else 10))
         assert len(tree.children()[0]) <= 4
+        # With nodes for every path, the tree is exactly that deep (the best 10 need not reach it).
+        assert max(wide.propose(state, [1, 2, 3], k).depths()) == depth
 
 
 def test_registry_loads_heads_from_a_folder_and_refuses_another_target(tmp_path, tiny_target):
@@ -143,3 +146,37 @@ def test_medusa_engine_samples_the_target_distribution(target, prefix_logits, sa
     checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
     failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
     assert not failed, describe(checks)
+
+
+def test_the_adaptive_policy_sizes_trees_by_cost_and_stays_lossless(tiny_target):
+    """A memory-bound cost curve keeps whole trees; where each verify token costs 10% of a step,
+    trees shrink to the nodes the drafter is confident in. Greedy output equals plain decoding."""
+    from verispec.costs import Curve, StepCostModel
+
+    heads, _, _ = trained(tiny_target, "medusa")
+    want = plain_outputs(tiny_target, PROMPTS[:2], 30)
+    curves = {
+        "flat": StepCostModel(Curve((1, 64), (0.100, 0.101))),
+        "steep": StepCostModel(Curve((1, 11), (0.100, 0.200))),
+    }
+    rows: dict[str, list[int]] = {}
+    for name, costs in curves.items():
+        spec = SpecConfig(method="medusa", num_speculative_tokens=3, depth="adaptive")
+        proposer = MedusaProposer(heads, VocabHead(tiny_target, None), nodes=8, width=3)
+        engine = SpecEngine(tiny_target, proposer, spec, costs=costs)
+        forward = engine.target.forward_batch
+        seen: list[int] = []
+
+        def spy(caches, tokens, *args, _seen=seen, _forward=forward, **kwargs):
+            _seen.extend(len(t) for t in tokens)
+            return _forward(caches, tokens, *args, **kwargs)
+
+        engine.target = copy.copy(tiny_target)
+        engine.target.forward_batch = spy  # type: ignore[method-assign]
+        got = [engine.generate(p, max_new_tokens=30) for p in PROMPTS[:2]]
+        assert [g.token_ids for g in got] == want
+        assert sum(g.stats.num_accepted for g in got) > 0, name
+        rows[name] = seen
+    assert max(rows["flat"]) == 8 + 1  # the pending token and the full tree
+    mean = {name: sum(seen) / len(seen) for name, seen in rows.items()}
+    assert mean["steep"] < mean["flat"] / 2, mean

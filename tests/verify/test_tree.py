@@ -118,3 +118,17 @@ def test_a_verifier_that_forgets_rejected_siblings_fails_the_same_check(monkeypa
     monkeypatch.setattr(tree_module, "_try_children", forgetful)
     counts, exact, _ = _two_token_counts("sampled")
     assert chi_square(counts, exact)[1] < 1e-6
+
+
+def test_scores_must_fall_and_only_deterministic_trees_are_cut():
+    tokens, parents = torch.tensor([3, 4, 5]), torch.tensor([-1, 0, -1])
+    tree = DraftTree(tokens, parents, scores=torch.tensor([-0.1, -0.5, -0.7]))
+    assert tree.prefix(2).tokens.tolist() == [3, 4] and tree.prefix(0).size == 0
+    assert tree.prefix(10).size == 3
+    with pytest.raises(ValueError, match="non-increasing"):
+        DraftTree(tokens, parents, scores=torch.tensor([-0.5, -0.1, -0.7]))
+    probs = torch.full((3, 8), 1 / 8)
+    with pytest.raises(ValueError, match="deterministic"):
+        DraftTree(tokens, parents, probs, scores=torch.tensor([-0.1, -0.5, -0.7]))
+    with pytest.raises(ValueError, match="cannot be cut"):
+        DraftTree(tokens, parents, probs).prefix(1)

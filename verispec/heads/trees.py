@@ -35,6 +35,7 @@ def product_tree(top_logp: torch.Tensor, top_ids: torch.Tensor, nodes: int, dept
     ids = top_ids.tolist()
     tokens: list[int] = []
     parents: list[int] = []
+    scores: list[float] = []
     if depth <= 0 or nodes <= 0:
         return DraftTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
     # (-score, tie, level, parent node, rank at this level, score of the parent)
@@ -45,13 +46,18 @@ def product_tree(top_logp: torch.Tensor, top_ids: torch.Tensor, nodes: int, dept
         me = len(tokens)
         tokens.append(ids[level][rank])
         parents.append(parent)
+        scores.append(-neg)
         if rank + 1 < width:
             heapq.heappush(heap, (-(base + logp[level][rank + 1]), tie, level, parent, rank + 1, base))
             tie += 1
         if level + 1 < depth:
             heapq.heappush(heap, (neg - logp[level + 1][0], tie, level + 1, me, 0, -neg))
             tie += 1
-    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.long),
+        torch.tensor(parents, dtype=torch.long),
+        scores=torch.tensor(scores, dtype=torch.float64),
+    )
 
 
 def best_subtree(tokens: list[int], parents: list[int], scores: list[float], nodes: int) -> DraftTree:
@@ -71,4 +77,5 @@ def best_subtree(tokens: list[int], parents: list[int], scores: list[float], nod
     return DraftTree(
         torch.tensor([tokens[i] for i in order], dtype=torch.long),
         torch.tensor(kept_parents, dtype=torch.long),
+        scores=torch.tensor([scores[i] for i in order], dtype=torch.float64),
     )

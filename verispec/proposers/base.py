@@ -32,6 +32,9 @@ class Proposer(ABC):
     needs_hidden: ClassVar[bool] = False
     """True for proposers that draft from the target's hidden states (Medusa, EAGLE): the engine
     then hands them the target's last-layer hidden states of every committed position."""
+    drafts_trees: ClassVar[bool] = False
+    """True for proposers whose trees carry scores (Medusa, EAGLE): the engine asks them for their
+    full depth and the depth policy then keeps the best prefix of each tree (its node budget)."""
 
     @abstractmethod
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> Any:

@@ -54,6 +54,7 @@ class EagleState:
 class EagleProposer(Proposer):
     name = "eagle"
     needs_hidden = True
+    drafts_trees = True
 
     def __init__(
         self,

@@ -42,6 +42,7 @@ class MedusaState:
 class MedusaProposer(Proposer):
     name = "medusa"
     needs_hidden = True
+    drafts_trees = True
 
     def __init__(
         self, heads: MedusaHeads, vocab_head: VocabHead, *, nodes: int, width: int, quantize: bool = False

@@ -39,6 +39,10 @@ class DraftTree:
     probs: torch.Tensor | None = None
     """[N, V]: the distribution each node was sampled from (its parent's draft distribution; every
     child of one parent must be an i.i.d. draw from the same row). None: deterministic candidates."""
+    scores: torch.Tensor | None = None
+    """[N]: the drafter's log-probability that the path to each node is accepted, non-increasing
+    (best node first). With it, :meth:`prefix` of any length is the best subtree of that size, which
+    is how the depth policy sizes a tree. Only for deterministic candidates (``probs`` None)."""
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -48,6 +52,23 @@ class DraftTree:
             raise ValueError("every parent must come before its child (or be -1, the root)")
         if self.probs is not None and self.probs.shape[0] != n:
             raise ValueError("DraftTree.probs needs one row per node")
+        if self.scores is not None:
+            if self.probs is not None:
+                raise ValueError("scores size a tree of deterministic candidates only (probs is None)")
+            if self.scores.shape != (n,) or bool((self.scores[1:] > self.scores[:-1] + 1e-6).any()):
+                raise ValueError("DraftTree.scores needs one non-increasing score per node")
+
+    def prefix(self, n: int) -> DraftTree:
+        """The first ``n`` nodes: a valid tree, as parents come first; the best ``n`` by score.
+
+        Cutting by a count chosen from the scores keeps verification exact only because the
+        candidates are deterministic; a tree of sampled candidates (``probs``) is never cut.
+        """
+        if self.probs is not None:
+            raise ValueError("a tree of sampled candidates cannot be cut (its siblings must stay i.i.d.)")
+        n = max(0, min(n, self.size))
+        scores = self.scores[:n] if self.scores is not None else None
+        return DraftTree(self.tokens[:n], self.parents[:n], None, scores)
 
     @property
     def size(self) -> int:
