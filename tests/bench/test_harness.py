@@ -34,9 +34,9 @@ TOP_LEVEL = {
 MACHINE = {"cpu", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end"}
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {
-    "target", "draft", "methods", "baselines", "num_speculative_tokens", "ngram", "prompt_lookup_tokens",
-    "datasets", "categories", "limit_per_category", "seed", "data_dir", "max_new_tokens", "warmup", "load",
-    "categories_by_dataset", "warmup_prompt", "decoding",
+    "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram",
+    "prompt_lookup_tokens", "datasets", "categories", "limit_per_category", "seed", "data_dir",
+    "max_new_tokens", "warmup", "load", "categories_by_dataset", "warmup_prompt", "decoding",
 }  # fmt: skip
 RECORD = {
     "method", "dataset", "category", "prompt_id", "turns", "reference", "matches_reference", "first_mismatch",
@@ -162,6 +162,7 @@ def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
         ({"max_new_tokens": 0}, "--max-new-tokens"),
         ({"limit_per_category": 0}, "--limit"),
         ({"warmup": -1}, "--warmup"),
+        ({"depth": "deep"}, "--depth-policy"),
     ],
 )
 def test_settings_reject_bad_values_before_loading_anything(kwargs, message):

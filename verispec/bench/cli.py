@@ -63,6 +63,12 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     )
     bench.add_argument("-k", "--num-speculative-tokens", type=int, default=5, help="draft tokens per step")
     bench.add_argument(
+        "--depth-policy",
+        choices=["fixed", "adaptive"],
+        default="fixed",
+        help="fixed (default): k drafts (trees: all their nodes) every step; adaptive: the policy chooses",
+    )
+    bench.add_argument(
         "--dataset", type=_csv, default=["humaneval"], help=f"comma list of {', '.join(DATASETS)}"
     )
     bench.add_argument(
@@ -447,6 +453,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         methods=tuple(PLAIN if m == "plain" else m for m in args.methods),
         baselines=tuple(args.baselines),
         num_speculative_tokens=args.num_speculative_tokens,
+        depth=args.depth_policy,
         ngram=NgramConfig(max_ngram=args.ngram_max, min_ngram=args.ngram_min),
         prompt_lookup_tokens=args.prompt_lookup_tokens,
         datasets=tuple(args.dataset),
@@ -463,7 +470,8 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     if importlib.util.find_spec("matplotlib") is not None:
         from verispec.bench.plots import write_plots
 
-        title = f"{settings.target}, k={settings.num_speculative_tokens}, {', '.join(settings.datasets)}"
+        k = f"k={settings.num_speculative_tokens} ({settings.depth})"
+        title = f"{settings.target}, {k}, {', '.join(settings.datasets)}"
         plots = write_plots(run.summaries, args.out, title)
     else:
         print(

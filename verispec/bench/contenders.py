@@ -56,6 +56,7 @@ class EngineContender:
         self.description: dict[str, object] = {"backend": "verispec", "method": spec.method}
         if spec.method is not None:
             self.description["num_speculative_tokens"] = spec.num_speculative_tokens
+            self.description["depth_policy"] = spec.depth
         if spec.method == "ngram":
             self.description["ngram"] = {"max_ngram": spec.ngram.max_ngram, "min_ngram": spec.ngram.min_ngram}
         if spec.method == "draft":
@@ -87,7 +88,7 @@ def engine_contenders(
             num_speculative_tokens=settings.num_speculative_tokens,
             ngram=settings.ngram,
             draft=DraftModelConfig(model=settings.draft if method == "draft" else None),
-            depth="fixed",  # the bench measures each method at the k it is given
+            depth=settings.depth,  # type: ignore[arg-type]  # fixed: each method at the k it is given
         )
         own_draft = draft if method == "draft" else None
         proposer = build_proposer(spec, target, own_draft)

@@ -38,6 +38,9 @@ class BenchSettings:
     """Baselines from :data:`BASELINES`; each is skipped, with a note, if its package or model is absent."""
     num_speculative_tokens: int = 5
     """k: draft tokens per step for the verispec methods."""
+    depth: str = "fixed"
+    """'fixed': every method drafts k tokens (trees: their full node budget) every step, which
+    measures the method itself; 'adaptive': the depth policy chooses per step, as served."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
     """N-gram sizes of the ``ngram`` proposer."""
     prompt_lookup_tokens: int = 10
@@ -65,6 +68,8 @@ class BenchSettings:
             raise VerispecError(
                 f"unknown method {', '.join(unknown)}; choose from {PLAIN}, {', '.join(METHODS)}"
             )
+        if self.depth not in ("fixed", "adaptive"):
+            raise VerispecError(f"--depth-policy must be fixed or adaptive, got {self.depth!r}")
         if "draft" in methods and self.draft is None:
             raise VerispecError("method 'draft' needs a draft model (--draft NAME|FOLDER|FILE.gguf)")
         bad = [b for b in self.baselines if b not in BASELINES]
