@@ -37,6 +37,17 @@ def test_eagle_config_takes_the_target_sizes(tiny_target):
     assert EagleConfig.for_target(tiny_target, intermediate_size=32).intermediate_size == 32
 
 
+def test_eagle_identity_start_passes_the_feature_through(tiny_target):
+    """Like Medusa's zero-initialised heads: the untrained drafter's output is the feature itself
+    (RMS-normalised), whatever the token and the other pairs, so it predicts what the LM head does."""
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).init_identity().eval()
+    emb, feat = torch.randn(1, 6, 64), torch.randn(1, 6, 64)
+    out, _, _ = drafter(emb, feat, torch.arange(6), torch.ones(6, 6, dtype=torch.bool).tril())
+    rms = feat.pow(2).mean(-1, keepdim=True).add(drafter.config.rms_norm_eps).sqrt()
+    torch.testing.assert_close(out, feat / rms, rtol=1e-4, atol=1e-4)
+
+
 def test_eagle_drafter_incremental_equals_one_pass(tiny_target):
     """Feeding pairs in two chunks through the cache gives the same outputs as one causal pass."""
     torch.manual_seed(0)

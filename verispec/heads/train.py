@@ -63,6 +63,9 @@ class TrainSettings:
     """EAGLE: passes of training-time test (draft depths trained on the drafter's own features)."""
     draft_vocab: int = 8192
     """Most frequent label tokens the heads draft over (0: the whole vocabulary)."""
+    eagle_init: str = "identity"
+    """EAGLE: 'identity' (start as the feature passed through; :meth:`EagleDrafter.init_identity`)
+    or 'random' (PyTorch's default init; the heads shipped before 2026-11-30 03:30 used it)."""
     labels: str = "soft"
     """See :data:`LABELS`: 'soft' and 'target' distil the target itself, 'data' learns the text."""
     epochs: int = 2
@@ -79,6 +82,8 @@ class TrainSettings:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise VerispecError(f"unknown heads kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.eagle_init not in ("identity", "random"):
+            raise VerispecError(f"--eagle-init must be identity or random, got {self.eagle_init!r}")
         if self.labels not in LABELS:
             raise VerispecError(f"--labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
         for name, low in (("num_heads", 1), ("unroll", 1), ("epochs", 1), ("batch_tokens", 16)):
@@ -496,6 +501,8 @@ def train_heads(
     else:
         embeddings = target.model.get_input_embeddings().weight.detach().float()
         drafter = EagleDrafter(EagleConfig.for_target(target, settings.intermediate_size))
+        if settings.eagle_init == "identity":
+            drafter.init_identity()
         train_seqs = data.sequences(heldout=False)
 
         def eagle_batches(epoch: int) -> list[list[tuple[int, int]]]:
@@ -546,6 +553,9 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--num-heads", type=int, default=4, help="medusa: heads (tree depth)")
     p.add_argument("--intermediate-size", type=int, default=None, help="eagle: MLP width (default: target's)")
     p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test passes")
+    p.add_argument(
+        "--eagle-init", choices=["identity", "random"], default="identity", help="eagle: start from"
+    )
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N commonest tokens (0: all)")
     p.add_argument(
         "--labels",
@@ -574,6 +584,7 @@ def run_train(args: argparse.Namespace) -> int:
         kind=args.kind,
         num_heads=args.num_heads,
         intermediate_size=args.intermediate_size,
+        eagle_init=args.eagle_init,
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
         labels=args.labels,
