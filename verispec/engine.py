@@ -379,8 +379,7 @@ class SpecEngine:
             return [0] * len(seqs)
         proposer = self.proposer
         if proposer.drafts_trees:  # sized after drafting (_size_trees); only the batch cut-off applies here
-            cut = self.policy.disable_by_batch_size
-            return [0] * len(seqs) if cut is not None and len(seqs) >= cut else caps
+            return [0] * len(seqs) if self.policy.disabled(len(seqs)) else caps
         queries = [
             DepthQuery(
                 cap=c,

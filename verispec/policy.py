@@ -176,9 +176,13 @@ class DepthPolicy(ABC):
     def __init__(self, disable_by_batch_size: int | None = None) -> None:
         self.disable_by_batch_size = disable_by_batch_size
 
+    def disabled(self, batch_size: int) -> bool:
+        """Speculation is off for a batch this large (vLLM's --speculative-disable-by-batch-size)."""
+        return self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size
+
     def choose(self, queries: Sequence[DepthQuery]) -> list[int]:
-        if self.disable_by_batch_size is not None and len(queries) >= self.disable_by_batch_size:
-            return [0] * len(queries)  # vLLM's --speculative-disable-by-batch-size
+        if self.disabled(len(queries)):
+            return [0] * len(queries)
         return self._choose(queries)
 
     @abstractmethod
