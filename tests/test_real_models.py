@@ -13,6 +13,7 @@ from tests.conftest import bundled_installed, needs_smollm2
 from verispec.config import ModelLoadConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models import load_model
+from verispec.models.int4 import cpu_supports_int4
 from verispec.proposers.base import build_proposer
 
 pytestmark = pytest.mark.slow
@@ -80,6 +81,26 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
         accepted += got.stats.num_accepted
     assert drafted > 0 and accepted > 0
     assert accepted / drafted > (0.5 if method == "draft" else 0.05)
+
+
+@needs_smollm2
+@pytest.mark.skipif(not cpu_supports_int4(), reason="the int4 kernel needs AVX-512 VNNI")
+def test_smollm2_int4_target_with_an_int8_draft_is_lossless(smollm2):
+    """The int4 path on a real model: 4-bit target, its int8 self as the draft (a real, different
+    model), greedy speculative output equal to the int4 target's plain output."""
+    target = load_model("smollm2-135m-instruct", ModelLoadConfig(quantization="int4"))
+    assert target.quantization == "int4"
+    plain = engine_for(target, None)
+    spec = engine_for(target, "draft", smollm2)
+    drafted = accepted = 0
+    for prompt in CHAT_PROMPTS:
+        ids = plain.apply_chat_template([{"role": "user", "content": prompt}])
+        want = plain.generate(ids, max_new_tokens=48)
+        got = spec.generate(ids, max_new_tokens=48)
+        assert got.token_ids == want.token_ids, (prompt, got.text, want.text)
+        drafted += got.stats.num_drafted
+        accepted += got.stats.num_accepted
+    assert drafted > 0 and accepted / drafted > 0.3
 
 
 @needs_smollm2

@@ -143,14 +143,15 @@ class ModelLoadConfig:
     """Compute dtype; GGUF weights are de-quantized into it."""
     threads: int | None = None
     """CPU threads for PyTorch; None keeps PyTorch's default."""
-    quantization: Literal["auto", "none", "int8"] = "auto"
-    """Weight quantization at load: 'auto' = int8 on CPU (prepacked fbgemm kernels), none on CUDA."""
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    """Weight quantization at load: 'auto' = int8 on CPU (prepacked fbgemm kernels), none on CUDA;
+    'int4' = 4-bit weights with verispec's AVX-512 VNNI kernel (LM head int8)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise VerispecError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8"):
-            raise VerispecError(f"quantization must be auto, none or int8, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise VerispecError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.threads is not None and self.threads < 1:
             raise VerispecError(f"threads must be >= 1, got {self.threads}")
 

@@ -25,6 +25,7 @@ from verispec.bench.settings import BASELINES, PLAIN
 from verispec.cli import add_load_flags, load_config
 from verispec.config import METHODS
 from verispec.errors import VerispecError
+from verispec.models.quant import QUANTIZATIONS
 
 
 def _csv(value: str) -> list[str]:
@@ -122,7 +123,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "held-out text (a Python standard-library module's source). Writes quality.json to --out.",
     )
     quality.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
-    quality.add_argument("--quantization", default="int8", choices=["int8"])
+    quality.add_argument("--quantization", default="int8", choices=["int8", "int4"])
     quality.add_argument("--limit", type=int, default=20, help="HumanEval prompts")
     quality.add_argument("--threads", type=int, default=None)
     quality.add_argument(
@@ -145,7 +146,7 @@ def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, ou
     parser.add_argument(
         "--threads", type=int, default=None, help="the server's CPU threads (default: PyTorch's)"
     )
-    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"])
+    parser.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS))
     parser.add_argument(
         "--max-batch-size",
         type=int,

@@ -22,7 +22,7 @@ from verispec.errors import VerispecError
 from verispec.models.attention import register as register_attention
 from verispec.models.base import BatchOutput, ForwardOutput
 from verispec.models.kv import KVBuffer, RowBatch
-from verispec.models.quant import quantize_int8_dynamic, resolve_quantization
+from verispec.models.quant import quantize_model, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -176,8 +176,8 @@ def load_hf_folder(
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[cfg.dtype], device_map=cfg.device)
     except (OSError, ValueError) as exc:
         raise VerispecError(f"cannot load a causal LM from {folder}: {exc}") from exc
-    if quantization == "int8":
-        quantize_int8_dynamic(model, int8_cache_file(folder))
+    if quantization != "none":
+        quantize_model(model, quantization, quant_cache_file(folder, quantization))
     tokenizer = _load_tokenizer(folder) if with_tokenizer else None
     lm = HFCausalLM(model, name=name, tokenizer=tokenizer)
     lm.quantization = quantization
@@ -185,16 +185,20 @@ def load_hf_folder(
     return lm
 
 
-def int8_cache_file(folder: Path) -> Path:
-    """Where the int8 weights of the model in ``folder`` are cached, keyed by the weight files'
-    paths, sizes and modification times (a changed model gets a new key)."""
+def quant_cache_file(folder: Path, scheme: str) -> Path:
+    """Where the ``scheme`` (int8/int4) weights of the model in ``folder`` are cached, keyed by the
+    weight files' paths, sizes and modification times (a changed model gets a new key)."""
     from verispec.models.registry import cache_root
 
     stamp = hashlib.sha256()
     for f in sorted(folder.resolve().glob("*.safetensors")) + sorted(folder.resolve().glob("*.bin")):
         info = f.stat()
         stamp.update(f"{f}:{info.st_size}:{info.st_mtime_ns}".encode())
-    return cache_root() / "int8" / f"{folder.name}-{stamp.hexdigest()[:16]}.safetensors"
+    if scheme == "int4":
+        from verispec.models.int4 import LAYOUT
+
+        stamp.update(LAYOUT.encode())  # a changed kernel layout must not read old files
+    return cache_root() / scheme / f"{folder.name}-{stamp.hexdigest()[:16]}.safetensors"
 
 
 def _load_tokenizer(folder: Path) -> object | None:

@@ -27,11 +27,13 @@ from torch import nn
 
 from verispec.errors import VerispecError
 
-Quantization = Literal["auto", "none", "int8"]
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8")
+Quantization = Literal["auto", "none", "int8", "int4"]
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
 
 
-def resolve_quantization(quantization: Quantization, device: str, dtype: str) -> Literal["none", "int8"]:
+def resolve_quantization(
+    quantization: Quantization, device: str, dtype: str
+) -> Literal["none", "int8", "int4"]:
     """``auto`` means int8 for float32 models on CPU (the fast path), none otherwise.
 
     On CUDA the float kernels are fast already; a bfloat16/float16 request says the user wants
@@ -39,10 +41,10 @@ def resolve_quantization(quantization: Quantization, device: str, dtype: str) ->
     """
     if quantization == "auto":
         return "int8" if device == "cpu" and dtype == "float32" else "none"
-    if quantization == "int8" and (device != "cpu" or dtype != "float32"):
+    if quantization in ("int8", "int4") and (device != "cpu" or dtype != "float32"):
         raise VerispecError(
-            "--quantization int8 needs --device cpu and --dtype float32 (fbgemm kernels quantize "
-            "float32 activations); use --quantization none otherwise"
+            f"--quantization {quantization} needs --device cpu and --dtype float32 (its CPU kernels "
+            "quantize float32 activations); use --quantization none otherwise"
         )
     return quantization
 
@@ -113,6 +115,15 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
     the Linears, memory-mapped by transformers, are then never read: a faster start and a lower
     peak memory) and written to it otherwise.
     """
+    return quantize_model(model, "int8", cache_file)
+
+
+def quantize_model(
+    model: nn.Module, scheme: Literal["int8", "int4"], cache_file: Path | None = None
+) -> nn.Module:
+    """Convert every ``nn.Linear`` of ``model`` to ``scheme`` (int4 keeps the LM head int8, see
+    :mod:`verispec.models.int4`) and use the batch-invariant attention; cache as
+    :func:`quantize_int8_dynamic` says."""
     from safetensors.torch import load_file, save_file
 
     if hasattr(model, "set_attn_implementation"):
@@ -121,6 +132,7 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
         model.set_attn_implementation(register())
     if torch.backends.quantized.engine not in ("x86", "fbgemm"):
         torch.backends.quantized.engine = "x86"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     cached = load_file(cache_file) if cache_file is not None and cache_file.is_file() else {}
     fresh: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
@@ -132,6 +144,9 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
                 if type(child) is not nn.Linear:
                     continue
                 key = f"{parent_name}.{name}" if parent_name else name
+                if scheme == "int4" and child is not head:
+                    setattr(parent, name, _int4_linear(child, key, cached, fresh))
+                    continue
                 if f"{key}.int8" in cached:
                     int8, scales = cached[f"{key}.int8"], cached[f"{key}.scales"]
                 else:
@@ -144,3 +159,17 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
         save_file(fresh, str(tmp))
         tmp.replace(cache_file)
     return model
+
+
+def _int4_linear(
+    child: nn.Linear, key: str, cached: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor]
+) -> nn.Module:
+    from verispec.models.int4 import Int4Linear, quantize_weight
+
+    names = (f"{key}.int4", f"{key}.int4_scales", f"{key}.int4_offsets")
+    if names[0] in cached:
+        parts = tuple(cached[n] for n in names)
+    else:
+        parts = quantize_weight(child.weight)
+        fresh.update(zip(names, parts, strict=True))
+    return Int4Linear(*parts, child.bias, (child.out_features, child.in_features))

@@ -94,7 +94,7 @@ class EagleProposer(Proposer):
             target.model.get_input_embeddings(),
             nodes=(spec.tree_nodes if spec is not None else None) or loaded.tree["nodes"],
             width=(spec.tree_width if spec is not None else None) or loaded.tree["width"],
-            quantize=getattr(target, "quantization", "none") == "int8",
+            quantize=getattr(target, "quantization", "none") in ("int8", "int4"),
         )
         proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
         return proposer

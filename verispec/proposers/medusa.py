@@ -76,7 +76,7 @@ class MedusaProposer(Proposer):
             VocabHead(target, loaded.draft_vocab),
             nodes=nodes,
             width=width,
-            quantize=getattr(target, "quantization", "none") == "int8",
+            quantize=getattr(target, "quantization", "none") in ("int8", "int4"),
         )
         proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
         return proposer

@@ -1,0 +1,158 @@
+"""The int4 fast path: the kernel against its reference, exact batch invariance, the packing, and
+lossless speculation on top of it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from tests.test_engine import PROMPTS, make_engine
+from verispec.errors import VerispecError
+from verispec.models import int4
+from verispec.models.hf import HFCausalLM
+from verispec.models.int4 import GROUP, Int4Linear, dequantize, quantize_weight
+from verispec.models.quant import RowwiseInt8Linear, quantize_model, resolve_quantization
+
+pytestmark = pytest.mark.skipif(
+    not int4.cpu_supports_int4(), reason="the int4 kernel needs AVX-512 VNNI, which this CPU lacks"
+)
+
+
+def _linear(n: int, k: int, seed: int, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(k, n, bias=bias)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "bias"), [(48, 64, True), (130, 576, False), (8, 300, True), (256, 1536, True)]
+)
+def test_kernel_matches_its_dequantized_weights(n, k, bias):
+    """Padding of inputs (to a whole group) and channels (to 4) is invisible; the only error left beside the
+    weights' own is the 8-bit rounding of each activation row."""
+    linear = _linear(n, k, seed=n + k, bias=bias)
+    q = Int4Linear.from_linear(linear)
+    x = torch.randn(5, k)
+    got = q(x)
+    assert got.shape == (5, n)
+    weight = dequantize(q.packed, q.scales, q.offsets, (n, k))
+    want = x @ weight.T + (linear.bias if bias else 0)
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02
+    # And the 4-bit weights themselves are close to the float ones.
+    assert ((weight - linear.weight).norm() / linear.weight.norm()) < 0.1
+
+
+def test_kernel_is_batch_invariant_to_the_bit():
+    """A row's output is the same alone, in any prefix, at any position and at any thread count."""
+    q = Int4Linear.from_linear(_linear(100, 200, seed=1))
+    rows = torch.randn(19, 200) * torch.logspace(-3, 3, 19)[:, None]  # wildly different magnitudes
+    together = q(rows)
+    for m in range(1, 20):
+        assert torch.equal(q(rows[:m]), together[:m])
+    assert torch.equal(torch.cat([q(rows[i : i + 1]) for i in range(19)]), together)
+    assert torch.equal(q(rows.flip(0)), together.flip(0))
+    assert torch.equal(q(rows.view(1, 19, 200))[0], together)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(q(rows), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_fitted_scales_never_lose_to_plain_rounding_and_clip_outliers():
+    groups = 4
+    weight = torch.randn(12, groups * GROUP)
+    weight[0, 0] = 40.0  # one outlier: clipping it costs less than coarse steps for the rest
+    packed, scales, offsets = quantize_weight(weight)
+    err = (
+        ((dequantize(packed, scales, offsets, tuple(weight.shape)) - weight) ** 2)
+        .view(12, groups, GROUP)
+        .sum(-1)
+    )
+    grouped = weight.view(12, groups, GROUP)
+    lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+    step = (hi - lo) / 15
+    plain = ((((grouped - lo) / step).round() * step + lo - grouped) ** 2).sum(-1)  # min-max rounding
+    assert (err <= plain * 1.01).all()  # 1%: the float16 rounding of the fitted scale and offset
+    chosen_steps = scales.view(3, groups, 4).transpose(1, 2).reshape(12, groups).float()
+    assert chosen_steps[0, 0] < step[0, 0, 0] and err[0, 0] < plain[0, 0]
+
+
+@pytest.fixture(scope="module")
+def float_and_int4() -> tuple[HFCausalLM, HFCausalLM]:
+    model = tiny_llama(0)
+    quantized = quantize_model(copy.deepcopy(model), "int4")
+    return HFCausalLM(model, name="fp32"), HFCausalLM(quantized, name="int4")
+
+
+def test_every_linear_but_the_head_is_int4(float_and_int4):
+    _, q4 = float_and_int4
+    linears = [m for m in q4.model.modules() if isinstance(m, Int4Linear | RowwiseInt8Linear)]
+    assert isinstance(q4.lm_head, RowwiseInt8Linear)
+    assert sum(isinstance(m, Int4Linear) for m in linears) == len(linears) - 1
+    assert not any(type(m) is torch.nn.Linear for m in q4.model.modules())
+
+
+def test_int4_logits_stay_close_to_float32(float_and_int4):
+    fp32, q4 = float_and_int4
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    want = fp32.forward(ids, fp32.new_cache(), logits_to_keep=0).logits[0]
+    got = q4.forward(ids, q4.new_cache(), logits_to_keep=0).logits[0]
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean().item() >= 0.8
+    assert torch.nn.functional.cosine_similarity(want, got, dim=-1).min() > 0.95
+
+
+def test_int4_model_scores_a_token_identically_alone_or_beside_drafts(float_and_int4):
+    _, q4 = float_and_int4
+    prompt = [i % 90 + 3 for i in range(137)]
+
+    def after_prefill(step: list[int]) -> torch.Tensor:
+        cache = q4.new_cache()
+        q4.forward(torch.tensor([prompt[:-1]]), cache)
+        return q4.forward(torch.tensor([step]), cache, logits_to_keep=len(step)).logits[0]
+
+    alone = after_prefill([prompt[-1]])[0]
+    assert torch.equal(alone, after_prefill([prompt[-1], 5, 6, 7])[0])
+    assert torch.equal(alone, after_prefill([prompt[-1], *range(10, 40)])[0])
+
+
+def test_speculation_is_lossless_on_the_int4_path(float_and_int4):
+    """int4 target with a float32 draft: greedy speculative output equals the int4 target's own."""
+    fp32, q4 = float_and_int4
+    plain = make_engine(q4, None, None)
+    spec = make_engine(q4, fp32, "draft", k=4)
+    accepted = 0
+    for prompt in PROMPTS:
+        got = spec.generate(prompt, max_new_tokens=30)
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=30).token_ids
+        accepted += got.stats.num_accepted
+    assert accepted > 0
+
+
+def test_int4_weights_are_cached_and_reused(tmp_path):
+    """The second start reads the cache and never the float weights (zeroed here to prove it)."""
+    cache_file = tmp_path / "int4" / "tiny.safetensors"
+    first = HFCausalLM(quantize_model(tiny_llama(0), "int4", cache_file), name="first")
+    assert cache_file.is_file()
+    model = tiny_llama(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.zero_()
+    second = HFCausalLM(quantize_model(model, "int4", cache_file), name="second")
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(
+        first.forward(ids, first.new_cache()).logits, second.forward(ids, second.new_cache()).logits
+    )
+
+
+def test_int4_where_it_cannot_run_is_a_clear_error(monkeypatch):
+    with pytest.raises(VerispecError, match="int4"):
+        resolve_quantization("int4", "cuda", "float32")
+    monkeypatch.setattr(int4, "_loaded", None)
+    monkeypatch.setattr(int4, "cpu_supports_int4", lambda: False)
+    with pytest.raises(VerispecError, match="AVX-512 VNNI"):
+        Int4Linear.from_linear(_linear(8, 128, seed=0))
