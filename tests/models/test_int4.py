@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from tests.test_engine import PROMPTS, make_engine
+from tests.models.test_quant import assert_speculation_is_lossless, assert_weights_are_cached_and_reused
+from tests.test_engine import PROMPTS
 from verispec.errors import VerispecError
 from verispec.models import int4
 from verispec.models.hf import HFCausalLM
@@ -121,32 +122,11 @@ def test_int4_model_scores_a_token_identically_alone_or_beside_drafts(float_and_
 
 def test_speculation_is_lossless_on_the_int4_path(float_and_int4):
     """int4 target with a float32 draft: greedy speculative output equals the int4 target's own."""
-    fp32, q4 = float_and_int4
-    plain = make_engine(q4, None, None)
-    spec = make_engine(q4, fp32, "draft", k=4)
-    accepted = 0
-    for prompt in PROMPTS:
-        got = spec.generate(prompt, max_new_tokens=30)
-        assert got.token_ids == plain.generate(prompt, max_new_tokens=30).token_ids
-        accepted += got.stats.num_accepted
-    assert accepted > 0
+    assert_speculation_is_lossless(*float_and_int4)
 
 
 def test_int4_weights_are_cached_and_reused(tmp_path):
-    """The second start reads the cache and never the float weights (zeroed here to prove it)."""
-    cache_file = tmp_path / "int4" / "tiny.safetensors"
-    first = HFCausalLM(quantize_model(tiny_llama(0), "int4", cache_file), name="first")
-    assert cache_file.is_file()
-    model = tiny_llama(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.zero_()
-    second = HFCausalLM(quantize_model(model, "int4", cache_file), name="second")
-    ids = torch.tensor([PROMPTS[0]])
-    assert torch.equal(
-        first.forward(ids, first.new_cache()).logits, second.forward(ids, second.new_cache()).logits
-    )
+    assert_weights_are_cached_and_reused(tmp_path, "int4")
 
 
 def test_int4_where_it_cannot_run_is_a_clear_error(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,12 @@ from tests.conftest import tiny_llama
 from tests.test_engine import PROMPTS, make_engine
 from verispec.errors import VerispecError
 from verispec.models.hf import HFCausalLM
-from verispec.models.quant import RowwiseInt8Linear, quantize_int8_dynamic, resolve_quantization
+from verispec.models.quant import (
+    RowwiseInt8Linear,
+    quantize_int8_dynamic,
+    quantize_model,
+    resolve_quantization,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +46,13 @@ def test_int8_logits_stay_close_to_float32(float_and_int8):
 
 def test_speculation_is_lossless_on_the_int8_path(float_and_int8):
     """int8 target with a float32 draft: greedy speculative output equals the int8 target's own."""
-    fp32, int8 = float_and_int8
-    plain = make_engine(int8, None, None)
-    spec = make_engine(int8, fp32, "draft", k=4)
+    assert_speculation_is_lossless(*float_and_int8)
+
+
+def assert_speculation_is_lossless(fp32: HFCausalLM, quantized: HFCausalLM) -> None:
+    """Greedy speculation with ``fp32`` drafting for ``quantized`` equals ``quantized``'s own output."""
+    plain = make_engine(quantized, None, None)
+    spec = make_engine(quantized, fp32, "draft", k=4)
     accepted = 0
     for prompt in PROMPTS:
         got = spec.generate(prompt, max_new_tokens=30)
@@ -108,16 +118,20 @@ def test_int8_model_scores_a_token_identically_alone_or_beside_drafts(float_and_
 
 
 def test_int8_weights_are_cached_and_reused(tmp_path):
-    """The second start reads the int8 cache and never the float weights (zeroed here to prove it)."""
-    cache_file = tmp_path / "int8" / "tiny.safetensors"
-    first = HFCausalLM(quantize_int8_dynamic(tiny_llama(0), cache_file), name="first")
+    assert_weights_are_cached_and_reused(tmp_path, "int8")
+
+
+def assert_weights_are_cached_and_reused(tmp_path: Path, scheme: str) -> None:
+    """The second start reads the cache and never the float weights (zeroed here to prove it)."""
+    cache_file = tmp_path / scheme / "tiny.safetensors"
+    first = HFCausalLM(quantize_model(tiny_llama(0), scheme, cache_file), name="first")
     assert cache_file.is_file()
     model = tiny_llama(0)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight.zero_()
-    second = HFCausalLM(quantize_int8_dynamic(model, cache_file), name="second")
+    second = HFCausalLM(quantize_model(model, scheme, cache_file), name="second")
     ids = torch.tensor([PROMPTS[0]])
     assert torch.equal(
         first.forward(ids, first.new_cache()).logits, second.forward(ids, second.new_cache()).logits
