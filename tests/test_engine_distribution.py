@@ -146,6 +146,15 @@ def describe(checks: dict[str, tuple[float, float]]) -> str:
     return "; ".join(f"{name}: chi2 {stat:.1f} p {p:.2g}" for name, (stat, p) in checks.items())
 
 
+def assert_follows_target(
+    tokens: torch.Tensor, prefix_logits: list[torch.Tensor], sampling: SamplingConfig
+) -> None:
+    """Every chi-square check passes at ALPHA: the sampled ``tokens`` follow the target's own joint."""
+    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
+    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
+    assert not failed, describe(checks)
+
+
 SPECULATIVE_CASES = [
     pytest.param(SamplingConfig(temperature=1.0), 3, id="temperature-1-k3"),
     pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), 3, id="temperature-0.7-top-p-0.9-k3"),
@@ -164,9 +173,7 @@ def test_speculative_engine_samples_the_target_distribution(target, draft, prefi
     assert totals["drafted"] > 0 and 0 < totals["accepted"] < totals["drafted"], totals
     assert all(0 < a < d for a, d in zip(accepted_at, drafted_at, strict=True)), totals
     assert totals["drafted_at"][k] == 0
-    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
-    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
-    assert not failed, describe(checks)
+    assert_follows_target(tokens, prefix_logits, sampling)
 
 
 def test_plain_decoding_samples_the_target_distribution(target, prefix_logits):
@@ -174,9 +181,7 @@ def test_plain_decoding_samples_the_target_distribution(target, prefix_logits):
     sampling = SamplingConfig(temperature=1.0)
     tokens, totals = generate_all(make_engine(target, None, 3), sampling, SEEDS)
     assert totals["drafted"] == 0
-    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
-    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
-    assert not failed, describe(checks)
+    assert_follows_target(tokens, prefix_logits, sampling)
 
 
 def accept_every_draft(
@@ -225,6 +230,4 @@ def test_token_tree_engine_samples_the_target_distribution(target, draft, prefix
     sampling = SamplingConfig(temperature=1.0)
     tokens, totals = generate_all(engine, sampling, SEEDS)
     assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals  # both depths used, not always
-    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
-    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
-    assert not failed, describe(checks)
+    assert_follows_target(tokens, prefix_logits, sampling)

@@ -57,6 +57,23 @@ def test_smollm2_batched_adaptive_speculation_equals_plain_alone(smollm2):
     assert engine.costs is not None and engine.costs.target(8) > 0
 
 
+def chat_outputs_equal_plain(target, spec: SpecEngine, max_new_tokens: int = 48) -> float:
+    """Asserts that ``spec`` gives the target's plain greedy output on every chat prompt, and returns
+    its acceptance rate (drafts must have been proposed, so the check is not vacuous)."""
+    plain = engine_for(target, None)
+    drafted = accepted = 0
+    for prompt in CHAT_PROMPTS:
+        ids = plain.apply_chat_template([{"role": "user", "content": prompt}])
+        want = plain.generate(ids, max_new_tokens=max_new_tokens)
+        got = spec.generate(ids, max_new_tokens=max_new_tokens)
+        assert got.token_ids == want.token_ids, (prompt, got.text, want.text)
+        assert got.text == want.text
+        drafted += got.stats.num_drafted
+        accepted += got.stats.num_accepted
+    assert drafted > 0
+    return accepted / drafted
+
+
 @needs_smollm2
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
@@ -68,19 +85,8 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
         if method == "draft"
         else None
     )
-    plain = engine_for(smollm2, None)
-    spec = engine_for(smollm2, method, draft)
-    drafted = accepted = 0
-    for prompt in CHAT_PROMPTS:
-        ids = plain.apply_chat_template([{"role": "user", "content": prompt}])
-        want = plain.generate(ids, max_new_tokens=48)
-        got = spec.generate(ids, max_new_tokens=48)
-        assert got.token_ids == want.token_ids, (prompt, got.text, want.text)
-        assert got.text == want.text
-        drafted += got.stats.num_drafted
-        accepted += got.stats.num_accepted
-    assert drafted > 0 and accepted > 0
-    assert accepted / drafted > (0.5 if method == "draft" else 0.05)
+    acceptance = chat_outputs_equal_plain(smollm2, engine_for(smollm2, method, draft))
+    assert acceptance > (0.5 if method == "draft" else 0.05)
 
 
 @needs_smollm2
@@ -90,17 +96,7 @@ def test_smollm2_int4_target_with_an_int8_draft_is_lossless(smollm2):
     model), greedy speculative output equal to the int4 target's plain output."""
     target = load_model("smollm2-135m-instruct", ModelLoadConfig(quantization="int4"))
     assert target.quantization == "int4"
-    plain = engine_for(target, None)
-    spec = engine_for(target, "draft", smollm2)
-    drafted = accepted = 0
-    for prompt in CHAT_PROMPTS:
-        ids = plain.apply_chat_template([{"role": "user", "content": prompt}])
-        want = plain.generate(ids, max_new_tokens=48)
-        got = spec.generate(ids, max_new_tokens=48)
-        assert got.token_ids == want.token_ids, (prompt, got.text, want.text)
-        drafted += got.stats.num_drafted
-        accepted += got.stats.num_accepted
-    assert drafted > 0 and accepted / drafted > 0.3
+    assert chat_outputs_equal_plain(target, engine_for(target, "draft", smollm2)) > 0.3
 
 
 @needs_smollm2

@@ -3,19 +3,20 @@ features, tree limits, loading through the registry, and exact sampling (chi-squ
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from tests.conftest import tiny_llama
 from tests.heads.tiny import trained
-from tests.test_engine_distribution import (  # noqa: F401 - fixtures used by name
-    ALPHA,
+from tests.proposers.heads_checks import (
+    PROMPTS,
+    assert_greedy_equals_plain_with_deep_trees,
+    assert_lossless_on_the_int8_path,
+    plain_outputs,
+)
+from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     SEEDS,
-    describe,
-    distribution_checks,
-    exact_joint,
+    assert_follows_target,
     generate_all,
     one_thread,
     prefix_logits,
@@ -26,15 +27,12 @@ from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.identity import identify
-from verispec.heads.io import LoadedHeads, save_heads
+from verispec.heads.io import save_heads
 from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
-from verispec.models.quant import quantize_int8_dynamic
 from verispec.proposers.base import build_proposer
 from verispec.proposers.eagle import EagleProposer
 from verispec.verify.tree import DraftTree
-
-PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3, [4]]
 
 
 def eagle_proposer(
@@ -49,39 +47,13 @@ def eagle_engine(model: HFCausalLM, drafter: EagleDrafter, k: int = 4) -> SpecEn
     return SpecEngine(model, eagle_proposer(model, drafter), spec)
 
 
-def plain_outputs(model: HFCausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
-    plain = SpecEngine(model, None, SpecConfig())
-    return [plain.generate(p, max_new_tokens=n).token_ids for p in prompts]
-
-
 def test_greedy_eagle_equals_plain_and_accepts_drafts(tiny_target):
     drafter, _, _ = trained(tiny_target, "eagle")
-    want = plain_outputs(tiny_target, PROMPTS, 40)
-    engine = eagle_engine(tiny_target, drafter)
-    alone = [engine.generate(p, max_new_tokens=40) for p in PROMPTS]
-    batched = engine.generate_batch(PROMPTS, max_new_tokens=40)
-    assert [g.token_ids for g in alone] == want
-    assert [g.token_ids for g in batched] == want
-    deep = sum(g.stats.accepted_at[1] for g in alone if len(g.stats.accepted_at) > 1)
-    assert sum(g.stats.num_accepted for g in alone) > 0 and deep > 0
-    assert sum(g.stats.num_steps for g in alone) < sum(len(w) for w in want)
+    assert_greedy_equals_plain_with_deep_trees(eagle_engine(tiny_target, drafter))
 
 
 def test_greedy_eagle_on_the_int8_path_equals_plain():
-    int8_target = HFCausalLM(quantize_int8_dynamic(copy.deepcopy(tiny_llama(0))), name="tiny-int8")
-    int8_target.quantization = "int8"
-    drafter, _, _ = trained(int8_target, "eagle")
-    loaded = LoadedHeads(
-        "eagle", copy.deepcopy(drafter), identify(int8_target), None, {"nodes": 10, "width": 3}
-    )
-    proposer = EagleProposer.from_loaded(loaded, int8_target)
-    assert type(proposer.drafter.fc).__name__ == "RowwiseInt8Linear"
-    engine = SpecEngine(
-        int8_target, proposer, SpecConfig(method="eagle", num_speculative_tokens=4, depth="fixed")
-    )
-    got = engine.generate_batch(PROMPTS, max_new_tokens=30)
-    assert [g.token_ids for g in got] == plain_outputs(int8_target, PROMPTS, 30)
-    assert sum(g.stats.num_accepted for g in got) > 0
+    assert_lossless_on_the_int8_path(EagleProposer, lambda p: p.drafter.fc, k=4, nodes=10)
 
 
 def test_the_draft_cache_holds_every_committed_pair_with_true_features(tiny_target):
@@ -162,6 +134,4 @@ def test_eagle_engine_samples_the_target_distribution(target, prefix_logits, sam
     tokens, totals = generate_all(engine, sampling, SEEDS)
     assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
     assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
-    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
-    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
-    assert not failed, describe(checks)
+    assert_follows_target(tokens, prefix_logits, sampling)

@@ -10,12 +10,15 @@ import torch
 
 from tests.conftest import tiny_llama
 from tests.heads.tiny import trained
-from tests.test_engine_distribution import (  # noqa: F401 - fixtures used by name
-    ALPHA,
+from tests.proposers.heads_checks import (
+    PROMPTS,
+    assert_greedy_equals_plain_with_deep_trees,
+    assert_lossless_on_the_int8_path,
+    plain_outputs,
+)
+from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     SEEDS,
-    describe,
-    distribution_checks,
-    exact_joint,
+    assert_follows_target,
     generate_all,
     one_thread,
     prefix_logits,
@@ -29,12 +32,9 @@ from verispec.heads.io import save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
-from verispec.models.quant import quantize_int8_dynamic
 from verispec.proposers.base import build_proposer
 from verispec.proposers.medusa import MedusaProposer
 from verispec.verify.tree import DraftTree
-
-PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3, [4]]
 
 
 def medusa_engine(model: HFCausalLM, heads: MedusaHeads, k: int = 3, nodes: int = 8) -> SpecEngine:
@@ -43,44 +43,13 @@ def medusa_engine(model: HFCausalLM, heads: MedusaHeads, k: int = 3, nodes: int 
     return SpecEngine(model, proposer, spec)
 
 
-def plain_outputs(model: HFCausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
-    plain = SpecEngine(model, None, SpecConfig())
-    return [plain.generate(p, max_new_tokens=n).token_ids for p in prompts]
-
-
 def test_greedy_medusa_equals_plain_and_accepts_drafts(tiny_target):
     heads, _, _ = trained(tiny_target, "medusa")
-    want = plain_outputs(tiny_target, PROMPTS, 40)
-    engine = medusa_engine(tiny_target, heads)
-    alone = [engine.generate(p, max_new_tokens=40) for p in PROMPTS]
-    batched = engine.generate_batch(PROMPTS, max_new_tokens=40)
-    assert [g.token_ids for g in alone] == want
-    assert [g.token_ids for g in batched] == want
-    accepted_at = [
-        sum(g.stats.accepted_at[i] for g in alone if len(g.stats.accepted_at) > i) for i in range(3)
-    ]
-    assert accepted_at[0] > 0 and accepted_at[1] > 0, accepted_at  # trees accepted beyond depth 1
-    assert sum(g.stats.num_steps for g in alone) < sum(len(w) for w in want)
+    assert_greedy_equals_plain_with_deep_trees(medusa_engine(tiny_target, heads))
 
 
 def test_greedy_medusa_on_the_int8_path_equals_plain():
-    int8_target = HFCausalLM(quantize_int8_dynamic(copy.deepcopy(tiny_llama(0))), name="tiny-int8")
-    int8_target.quantization = "int8"
-    heads, _, _ = trained(int8_target, "medusa")
-    proposer = MedusaProposer.from_loaded(_loaded(int8_target, heads), int8_target)
-    assert type(proposer.heads.medusa_head[0][0].linear).__name__ == "RowwiseInt8Linear"
-    engine = SpecEngine(
-        int8_target, proposer, SpecConfig(method="medusa", num_speculative_tokens=3, depth="fixed")
-    )
-    got = engine.generate_batch(PROMPTS, max_new_tokens=30)
-    assert [g.token_ids for g in got] == plain_outputs(int8_target, PROMPTS, 30)
-    assert sum(g.stats.num_accepted for g in got) > 0
-
-
-def _loaded(model: HFCausalLM, heads: MedusaHeads):
-    from verispec.heads.io import LoadedHeads
-
-    return LoadedHeads("medusa", copy.deepcopy(heads), identify(model), None, {"nodes": 8, "width": 3})
+    assert_lossless_on_the_int8_path(MedusaProposer, lambda p: p.heads.medusa_head[0][0].linear, k=3, nodes=8)
 
 
 def test_the_proposer_drafts_from_the_state_before_the_pending_token(tiny_target):
@@ -143,9 +112,7 @@ def test_medusa_engine_samples_the_target_distribution(target, prefix_logits, sa
     tokens, totals = generate_all(engine, sampling, SEEDS)
     assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
     assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
-    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
-    failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
-    assert not failed, describe(checks)
+    assert_follows_target(tokens, prefix_logits, sampling)
 
 
 def test_the_adaptive_policy_sizes_trees_by_cost_and_stays_lossless(tiny_target):

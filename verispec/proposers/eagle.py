@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verispec.errors import VerispecError
 from verispec.heads.eagle import DraftCache, EagleDrafter
-from verispec.heads.io import LoadedHeads, load_heads, resolve_heads_folder
 from verispec.heads.trees import best_subtree
 from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
+from verispec.proposers.heads_base import HeadsProposer
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
@@ -51,10 +50,9 @@ class EagleState:
     """[H]: the drafter's output at the last fed pair, its guess of the next target feature."""
 
 
-class EagleProposer(Proposer):
+class EagleProposer(HeadsProposer):
     name = "eagle"
-    needs_hidden = True
-    drafts_trees = True
+    kind = "eagle"
 
     def __init__(
         self,
@@ -66,38 +64,13 @@ class EagleProposer(Proposer):
         width: int,
         quantize: bool = False,
     ) -> None:
-        if nodes < 1 or width < 1:
-            raise VerispecError(f"tree nodes and width must be >= 1, got nodes={nodes} width={width}")
-        self.drafter = drafter.eval()
-        if quantize:
-            from verispec.models.quant import quantize_int8_dynamic
-
-            quantize_int8_dynamic(self.drafter)
-        self.vocab_head = vocab_head
+        super().__init__(drafter, vocab_head, nodes=nodes, width=width, quantize=quantize)
+        self.drafter = drafter
         self.embeddings = embeddings
-        self.nodes = nodes
-        self.width = min(width, vocab_head.size)
-        self.description: dict[str, object] = {
-            "tree_nodes": nodes,
-            "tree_width": self.width,
-            "draft_vocab": vocab_head.size,
-            "int8": quantize,
-        }
-        """What defines this proposer, for benchmark reports."""
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedHeads, target: Any, spec: SpecConfig | None = None) -> EagleProposer:
-        assert isinstance(loaded.module, EagleDrafter)
-        proposer = cls(
-            loaded.module,
-            VocabHead(target, loaded.draft_vocab),
-            target.model.get_input_embeddings(),
-            nodes=(spec.tree_nodes if spec is not None else None) or loaded.tree["nodes"],
-            width=(spec.tree_width if spec is not None else None) or loaded.tree["width"],
-            quantize=getattr(target, "quantization", "none") in ("int8", "int4"),
-        )
-        proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
-        return proposer
+    def _target_parts(cls, target: Any) -> tuple[Any, ...]:
+        return (target.model.get_input_embeddings(),)
 
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> EagleState:
         return EagleState(cache=DraftCache.empty(self.drafter.config))
@@ -113,9 +86,7 @@ class EagleProposer(Proposer):
         num_accepted: int,
         hidden: torch.Tensor | None = None,
     ) -> None:
-        if hidden is None:
-            raise RuntimeError("the eagle proposer needs the target's hidden states (needs_hidden)")
-        state.pending.append(hidden.detach().float().clone())
+        state.pending.append(self.require_hidden(hidden, self.name).detach().float().clone())
 
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
         return self.embeddings(torch.as_tensor(list(ids), dtype=torch.long)).float()
@@ -206,5 +177,4 @@ class EagleProposer(Proposer):
 
 @register("eagle")
 def _build(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer:
-    folder = resolve_heads_folder(spec.heads, "eagle", target.name)
-    return EagleProposer.from_loaded(load_heads(folder, target, kind="eagle"), target, spec)
+    return EagleProposer.build(spec, target)

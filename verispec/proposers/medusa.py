@@ -15,16 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.errors import VerispecError
-from verispec.heads.io import LoadedHeads, load_heads, resolve_heads_folder
 from verispec.heads.medusa import MedusaHeads
 from verispec.heads.trees import product_tree
 from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
+from verispec.proposers.heads_base import HeadsProposer
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
@@ -39,47 +38,16 @@ class MedusaState:
     """[H]: the target's hidden state at the position before the pending token."""
 
 
-class MedusaProposer(Proposer):
+class MedusaProposer(HeadsProposer):
     name = "medusa"
-    needs_hidden = True
-    drafts_trees = True
+    kind = "medusa"
 
     def __init__(
         self, heads: MedusaHeads, vocab_head: VocabHead, *, nodes: int, width: int, quantize: bool = False
     ) -> None:
-        if nodes < 1 or width < 1:
-            raise VerispecError(f"tree nodes and width must be >= 1, got nodes={nodes} width={width}")
-        self.heads = heads.eval()
-        if quantize:
-            from verispec.models.quant import quantize_int8_dynamic
-
-            quantize_int8_dynamic(self.heads)
-        self.vocab_head = vocab_head
-        self.nodes = nodes
-        self.width = min(width, vocab_head.size)
-        self.description: dict[str, object] = {
-            "tree_nodes": nodes,
-            "tree_width": self.width,
-            "draft_vocab": vocab_head.size,
-            "int8": quantize,
-        }
-        """What defines this proposer, for benchmark reports."""
+        super().__init__(heads, vocab_head, nodes=nodes, width=width, quantize=quantize)
+        self.heads = heads
         self.num_heads = heads.config.num_heads
-
-    @classmethod
-    def from_loaded(cls, loaded: LoadedHeads, target: Any, spec: SpecConfig | None = None) -> MedusaProposer:
-        assert isinstance(loaded.module, MedusaHeads)
-        nodes = (spec.tree_nodes if spec is not None else None) or loaded.tree["nodes"]
-        width = (spec.tree_width if spec is not None else None) or loaded.tree["width"]
-        proposer = cls(
-            loaded.module,
-            VocabHead(target, loaded.draft_vocab),
-            nodes=nodes,
-            width=width,
-            quantize=getattr(target, "quantization", "none") in ("int8", "int4"),
-        )
-        proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
-        return proposer
 
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> MedusaState:
         return MedusaState()
@@ -95,9 +63,7 @@ class MedusaProposer(Proposer):
         num_accepted: int,
         hidden: torch.Tensor | None = None,
     ) -> None:
-        if hidden is None:
-            raise RuntimeError("the medusa proposer needs the target's hidden states (needs_hidden)")
-        state.last_hidden = hidden[-1].detach().float().clone()
+        state.last_hidden = self.require_hidden(hidden, self.name)[-1].detach().float().clone()
 
     def propose(self, state: MedusaState, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
         return self.propose_batch([state], [token_ids], [k])[0]
@@ -121,5 +87,4 @@ class MedusaProposer(Proposer):
 
 @register("medusa")
 def _build(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer:
-    folder = resolve_heads_folder(spec.heads, "medusa", target.name)
-    return MedusaProposer.from_loaded(load_heads(folder, target, kind="medusa"), target, spec)
+    return MedusaProposer.build(spec, target)

@@ -104,6 +104,12 @@ def typical_verify(
     return VerifyResult(tokens=result.tokens, num_accepted=result.num_accepted, num_drafted=k)
 
 
+def _is_typical(acceptance: str) -> bool:
+    if acceptance not in ("exact", "typical"):
+        raise ValueError(f"acceptance must be exact or typical, got {acceptance!r}")
+    return acceptance == "typical"
+
+
 def verify_tree(
     tree: DraftTree,
     target_logits: torch.Tensor,
@@ -113,11 +119,8 @@ def verify_tree(
 ) -> TreeResult:
     """:func:`verispec.verify.tree.verify_tree` (``exact``) or :func:`typical_verify_tree`
     (``typical``, LOSSY)."""
-    if acceptance == "typical":
-        return typical_verify_tree(tree, target_logits, sampling, generator)
-    if acceptance != "exact":
-        raise ValueError(f"acceptance must be exact or typical, got {acceptance!r}")
-    return exact_tree.verify_tree(tree, target_logits, sampling, generator)
+    rule = typical_verify_tree if _is_typical(acceptance) else exact_tree.verify_tree
+    return rule(tree, target_logits, sampling, generator)
 
 
 def verify(
@@ -128,8 +131,5 @@ def verify(
     acceptance: str = "exact",
 ) -> VerifyResult:
     """:func:`verispec.verify.rejection.verify` (``exact``) or :func:`typical_verify` (``typical``, LOSSY)."""
-    if acceptance == "typical":
-        return typical_verify(draft, target_logits, sampling, generator)
-    if acceptance != "exact":
-        raise ValueError(f"acceptance must be exact or typical, got {acceptance!r}")
-    return rejection.verify(draft, target_logits, sampling, generator)
+    rule = typical_verify if _is_typical(acceptance) else rejection.verify
+    return rule(draft, target_logits, sampling, generator)

@@ -1,0 +1,65 @@
+"""Checks the Medusa and EAGLE proposer tests share: both are learned tree drafters on the target's
+hidden states, so both must be lossless against plain decoding, on the fp32 and the int8 path, and
+must actually get trees accepted beyond the first level."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from tests.conftest import tiny_llama
+from tests.heads.tiny import trained
+from verispec.config import SpecConfig
+from verispec.engine import SpecEngine
+from verispec.heads.identity import identify
+from verispec.heads.io import LoadedHeads
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import quantize_int8_dynamic
+from verispec.proposers.heads_base import HeadsProposer
+
+PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3, [4]]
+"""A varied prompt, a repetitive one, a constant one and a one-token one (nothing to draft from)."""
+
+
+def plain_outputs(model: HFCausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    plain = SpecEngine(model, None, SpecConfig())
+    return [plain.generate(p, max_new_tokens=n).token_ids for p in prompts]
+
+
+def assert_greedy_equals_plain_with_deep_trees(engine: SpecEngine, n: int = 40) -> None:
+    """Greedy output equals plain decoding one request at a time and batched, and the trees were
+    accepted beyond depth 1 (so the check is not vacuous) and saved steps."""
+    want = plain_outputs(engine.target, PROMPTS, n)
+    alone = [engine.generate(p, max_new_tokens=n) for p in PROMPTS]
+    batched = engine.generate_batch(PROMPTS, max_new_tokens=n)
+    assert [g.token_ids for g in alone] == want
+    assert [g.token_ids for g in batched] == want
+    accepted_at = [
+        sum(g.stats.accepted_at[i] for g in alone if len(g.stats.accepted_at) > i) for i in range(2)
+    ]
+    assert accepted_at[0] > 0 and accepted_at[1] > 0, accepted_at
+    assert sum(g.stats.num_steps for g in alone) < sum(len(w) for w in want)
+
+
+def assert_lossless_on_the_int8_path(
+    proposer_cls: type[HeadsProposer],
+    drafting_linear: Callable[[HeadsProposer], torch.nn.Module],
+    k: int,
+    nodes: int,
+) -> None:
+    """Heads trained on an int8 tiny target and loaded for it are made int8 too (``drafting_linear``
+    picks one of their Linears) and keep greedy output equal to plain decoding on that path."""
+    int8_target = HFCausalLM(quantize_int8_dynamic(copy.deepcopy(tiny_llama(0))), name="tiny-int8")
+    int8_target.quantization = "int8"
+    module, _, _ = trained(int8_target, proposer_cls.kind)
+    loaded = LoadedHeads(
+        proposer_cls.kind, copy.deepcopy(module), identify(int8_target), None, {"nodes": nodes, "width": 3}
+    )
+    proposer = proposer_cls.from_loaded(loaded, int8_target)
+    assert type(drafting_linear(proposer)).__name__ == "RowwiseInt8Linear"
+    spec = SpecConfig(method=proposer_cls.kind, num_speculative_tokens=k, depth="fixed")
+    got = SpecEngine(int8_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=30)
+    assert [g.token_ids for g in got] == plain_outputs(int8_target, PROMPTS, 30)
+    assert sum(g.stats.num_accepted for g in got) > 0

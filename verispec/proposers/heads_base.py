@@ -1,0 +1,94 @@
+"""What the Medusa and EAGLE proposers share: a trained module that rides on the target.
+
+Both draft token trees from the target's own hidden states through a (possibly reduced-vocabulary)
+share of its LM head, take their tree shape from the heads' manifest unless the spec overrides it,
+and run int8 when the target does. Keeping that here means a third learned drafter gets the same
+loading rules (refusal of heads trained for another target, tree defaults) without copying them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Self
+
+import torch
+
+from verispec.errors import VerispecError
+from verispec.heads.io import LoadedHeads, load_heads, resolve_heads_folder
+from verispec.heads.vocab import VocabHead
+from verispec.proposers.base import Proposer
+
+if TYPE_CHECKING:
+    from verispec.config import SpecConfig
+    from verispec.models.base import CausalLM
+
+
+class HeadsProposer(Proposer):
+    """A proposer built around ``module`` (trained heads) and the target's LM head."""
+
+    needs_hidden = True
+    drafts_trees = True
+    kind: ClassVar[str]
+    """The heads kind this proposer loads ("medusa", "eagle"), as in the heads' config."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        vocab_head: VocabHead,
+        *,
+        nodes: int,
+        width: int,
+        quantize: bool = False,
+    ) -> None:
+        if nodes < 1 or width < 1:
+            raise VerispecError(f"tree nodes and width must be >= 1, got nodes={nodes} width={width}")
+        module.eval()
+        if quantize:
+            from verispec.models.quant import quantize_int8_dynamic
+
+            # Drafting reads a quarter of the bytes; a draft only has to be good, not exact.
+            quantize_int8_dynamic(module)
+        self.vocab_head = vocab_head
+        self.nodes = nodes
+        self.width = min(width, vocab_head.size)
+        self.description: dict[str, object] = {
+            "tree_nodes": nodes,
+            "tree_width": self.width,
+            "draft_vocab": vocab_head.size,
+            "int8": quantize,
+        }
+        """What defines this proposer, for benchmark reports."""
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedHeads, target: Any, spec: SpecConfig | None = None) -> Self:
+        """Build from heads loaded by :func:`~verispec.heads.io.load_heads` for ``target``.
+
+        The spec's tree settings win over the ones the heads were shipped with.
+        """
+        proposer = cls(
+            loaded.module,
+            VocabHead(target, loaded.draft_vocab),
+            *cls._target_parts(target),
+            nodes=(spec.tree_nodes if spec is not None else None) or loaded.tree["nodes"],
+            width=(spec.tree_width if spec is not None else None) or loaded.tree["width"],
+            quantize=getattr(target, "quantization", "none") in ("int8", "int4"),
+        )
+        proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
+        return proposer
+
+    @classmethod
+    def _target_parts(cls, target: Any) -> tuple[Any, ...]:
+        """Extra constructor arguments taken from the target (EAGLE: its token embeddings)."""
+        return ()
+
+    @classmethod
+    def build(cls, spec: SpecConfig, target: CausalLM) -> Self:
+        """The registered factory: find the heads named by the spec (or shipped) and load them."""
+        folder = resolve_heads_folder(spec.heads, cls.kind, target.name)
+        return cls.from_loaded(load_heads(folder, target, kind=cls.kind), target, spec)
+
+    @staticmethod
+    def require_hidden(hidden: torch.Tensor | None, name: str) -> torch.Tensor:
+        """The verified positions' hidden states, which the engine owes a ``needs_hidden`` proposer."""
+        if hidden is None:
+            raise RuntimeError(f"the {name} proposer needs the target's hidden states (needs_hidden)")
+        return hidden
