@@ -322,3 +322,24 @@ def test_cli_resume_continues_a_smaller_run(tmp_path, capsys, restore_torch_thre
     assert len((out / RECORDS_FILE).read_text().splitlines()) == 1 + 4
     assert main([*argv, "--limit", "2", "--resume", "-k", "2"]) == 2
     assert "can't resume" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@needs_smollm2
+@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
+def test_bench_with_the_adaptive_policy_runs_every_learned_method_losslessly(tmp_path, restore_torch_threads):
+    """As issue 6's benchmark runs it: the depth policy picks each step's depth and tree size, for
+    prompt lookup and the shipped Medusa and EAGLE heads alike; outputs stay equal to plain."""
+    out = tmp_path / "results"
+    argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,ngram,medusa,eagle",
+            "-k", "4", "--depth-policy", "adaptive", "--dataset", "humaneval", "--limit", "2",
+            "--max-new-tokens", "24", "--warmup", "0", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["depth"] == "adaptive"
+    for method in ("ngram", "medusa", "eagle"):
+        assert results["contenders"][method]["depth_policy"] == "adaptive"
+        records = [r for r in results["records"] if r["method"] == method]
+        assert len(records) == 2 and all(r["matches_reference"] for r in records), method
+        assert sum(t["counts"]["drafted"] for r in records for t in r["turns"]) > 0, method  # it drafted
+    assert results["failed"] == [] and results["lossless"] == {"checked": 6, "mismatches": 0}

@@ -41,7 +41,8 @@ _REFINE = 4
 layers it cuts the squared error by 5-10% over the best clipping alone."""
 
 _SOURCE = Path(__file__).parent / "kernels" / "int4_linear.cpp"
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-mf16c", "-ffp-contract=off")
+_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")
+_FLAGS += ("-ffp-contract=off",)
 _FLAGS += ("-fopenmp",)  # ATen's parallel_for is OpenMP in torch's CPU wheels
 """-ffp-contract=off: no multiply-add fused in one code path and not another (batch invariance)."""
 _lock = threading.Lock()
@@ -50,12 +51,12 @@ _load_error: str = ""
 
 
 def cpu_supports_int4() -> bool:
-    """The kernel needs AVX-512 (F, BW) and VNNI."""
+    """The kernel needs AVX-512 (F, BW, VL), VNNI, FMA and F16C."""
     try:
         flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
     except OSError:
         return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni", " fma ", " f16c "))
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", " fma ", " f16c "))
 
 
 def _build_dir() -> Path:

@@ -6,8 +6,8 @@
 // fbgemm path), so they read fewer bytes but gain nothing. This kernel keeps the products in
 // integers (VNNI's u8 x s8 dot products into int32, as llama.cpp's q4 x q8 dot products do) and
 // streams each weight block from memory once per call, reusing it from L1 for up to 8 activation
-// rows: ~25 ms for the 1.5B's layers at 1 row, ~75 ms at 8 (the per-row integer work, not the
-// memory, is what grows; NOTES.md has the layouts tried).
+// rows. The per-row integer work, not the memory, is what grows with the rows: the whole 1.5B
+// forward costs ~44 / 64 / 104 / 190 ms at 1 / 4 / 8 / 16 rows (NOTES.md has the layouts tried).
 //
 // Exact batch invariance: each output element (row m, channel n) is computed by one thread with
 // the same sequence of operations whatever the number of rows in the call and wherever row m sits,
@@ -43,9 +43,10 @@ constexpr int64_t kGroupBytes = kColBlock * kGroup / 2;  // one block's group: 4
 constexpr int64_t kVectors = kGroup / 32;  // 64-byte weight vectors per block and group
 
 // Per-row symmetric int8 quantization of x [M, K] into q [M, Kp] (zero padded), with each row's
-// scale and each group's sum of quantized activations (the offset term's factor).
+// scale and each group's sum of quantized activations (the offset term's factor, as a float: exact
+// for these small integers, and the kernel then needs no conversion per group and row).
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* scale,
-                   int32_t* gsum) {
+                   float* gsum) {
   const int64_t groups = Kp / kGroup;
   for (int64_t m = 0; m < M; ++m) {
     const float* row = x + m * K;
@@ -63,7 +64,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, 
     for (int64_t g = 0; g < groups; ++g) {
       int32_t sum = 0;
       for (int64_t b = 0; b < kGroup; ++b) sum += out[g * kGroup + b];
-      gsum[m * groups + g] = sum;
+      gsum[m * groups + g] = static_cast<float>(sum);
     }
   }
 }
@@ -73,9 +74,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, 
 // broadcast to every lane, and a group needs one conversion and one multiply-add per row. (Tried
 // and slower here: a channel per 64-byte vector with 4 converts per group, 21-23 ms for the 1.5B's
 // layers at 1 row but 75 ms at 8; fbgemm's channel-per-32-bit-lane layout, 27 ms and 100 ms.)
+// The per-row work is what grows with the rows, so the inner loop holds only the integer products
+// (one chain: int32 sums are exact in any order), the conversion and the scale's multiply-add;
+// the offset term sum_g o * sum(a) runs after it, four groups per vector.
 template <int64_t ROWS>
 void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_t* q, const float* xs,
-           const int32_t* gsum, const float* bias, float* y, int64_t nb, int64_t m0, int64_t N,
+           const float* gsum, const float* bias, float* y, int64_t nb, int64_t m0, int64_t N,
            int64_t Kp) {
   const int64_t groups = Kp / kGroup;
   const int64_t n0 = nb * kColBlock;
@@ -83,14 +87,11 @@ void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_
   const uint16_t* sb = ws + nb * groups * kColBlock;
   const uint16_t* ob = wo + nb * groups * kColBlock;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  // Lanes 4j..4j+3 (the 128-bit lane of channel j) take channel j's scale.
+  // Lane 4i+j takes element i: channel j's scale in its 128-bit lane below, group i's activation
+  // sum in the offset term.
   const __m512i lane_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[ROWS];
-  __m128 off[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    off[r] = _mm_setzero_ps();
-  }
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wb + g * kGroupBytes;
     // One stream per thread, read once: ask for it kPrefetch bytes ahead.
@@ -104,29 +105,40 @@ void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_
     }
     const __m128 scale4 = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + g * kColBlock)));
     const __m512 scale = _mm512_permutexvar_ps(lane_of, _mm512_castps128_ps512(scale4));
-    const __m128 offset = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ob + g * kColBlock)));
     for (int64_t r = 0; r < ROWS; ++r) {
       const int8_t* a = q + (m0 + r) * Kp + g * kGroup;
-      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      __m512i d = _mm512_setzero_si512();
       for (int64_t t = 0; t < kVectors; ++t) {
         const __m128i* a_lo = reinterpret_cast<const __m128i*>(a + 32 * t);
         const __m128i* a_hi = reinterpret_cast<const __m128i*>(a + 32 * t + 16);
-        d0 = _mm512_dpbusd_epi32(d0, lo[t], _mm512_broadcast_i32x4(_mm_loadu_si128(a_lo)));
-        d1 = _mm512_dpbusd_epi32(d1, hi[t], _mm512_broadcast_i32x4(_mm_loadu_si128(a_hi)));
+        d = _mm512_dpbusd_epi32(d, lo[t], _mm512_broadcast_i32x4(_mm_loadu_si128(a_lo)));
+        d = _mm512_dpbusd_epi32(d, hi[t], _mm512_broadcast_i32x4(_mm_loadu_si128(a_hi)));
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), scale, acc[r]);
-      const float asum = static_cast<float>(gsum[(m0 + r) * groups + g]);
-      off[r] = _mm_fmadd_ps(offset, _mm_set1_ps(asum), off[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[r]);
+    }
+  }
+  // Offset term: lane 4i+j accumulates o[g0 + i][j] * gsum[g0 + i] over g0 = 0, 4, 8, ...
+  __m512 off[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) off[r] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+    const int64_t n = std::min<int64_t>(4, groups - g0);
+    const __m512 o = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+        static_cast<__mmask16>((1u << (4 * n)) - 1), ob + g0 * kColBlock));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m128 sums = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << n) - 1),
+                                             gsum + (m0 + r) * groups + g0);
+      off[r] = _mm512_fmadd_ps(o, _mm512_permutexvar_ps(lane_of, _mm512_castps128_ps512(sums)), off[r]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r) {
     alignas(64) float lanes[16];
-    alignas(16) float offs[4];
+    alignas(64) float offs[16];
     _mm512_store_ps(lanes, acc[r]);
-    _mm_store_ps(offs, off[r]);
+    _mm512_store_ps(offs, off[r]);
     for (int64_t j = 0; j < kColBlock && n0 + j < N; ++j) {
       const float* l = lanes + 4 * j;
-      float v = xs[m0 + r] * (((l[0] + l[1]) + (l[2] + l[3])) + offs[j]);
+      const float o = (offs[j] + offs[4 + j]) + (offs[8 + j] + offs[12 + j]);
+      float v = xs[m0 + r] * (((l[0] + l[1]) + (l[2] + l[3])) + o);
       if (bias != nullptr) v = v + bias[n0 + j];
       y[(m0 + r) * N + n0 + j] = v;
     }
@@ -174,7 +186,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 
   std::vector<int8_t> q(M * Kp);
   std::vector<float> xs(M);
-  std::vector<int32_t> gsum(M * groups);
+  std::vector<float> gsum(M * groups);
   quantize_rows(xc.data_ptr<float>(), M, K, Kp, q.data(), xs.data(), gsum.data());
 
   const at::Tensor wc = weight.contiguous(), sc = scales.contiguous(), oc = offsets.contiguous();
