@@ -119,11 +119,12 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
 
 
 def quantize_model(
-    model: nn.Module, scheme: Literal["int8", "int4"], cache_file: Path | None = None
+    model: nn.Module, scheme: Literal["int8", "int4"], cache_file: Path | None = None, *, fuse: bool = True
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``model`` to ``scheme`` (int4 keeps the LM head int8, see
     :mod:`verispec.models.int4`) and use the batch-invariant attention; cache as
-    :func:`quantize_int8_dynamic` says."""
+    :func:`quantize_int8_dynamic` says. With ``fuse``, Linears that read the same input become one
+    product (:mod:`verispec.models.fused`: bit-identical results, fewer calls)."""
     from safetensors.torch import load_file, save_file
 
     if hasattr(model, "set_attn_implementation"):
@@ -158,6 +159,10 @@ def quantize_model(
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
         save_file(fresh, str(tmp))
         tmp.replace(cache_file)
+    if fuse:
+        from verispec.models.fused import fuse_projections
+
+        fuse_projections(model)
     return model
 
 
