@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from tests.models.test_quant import assert_speculation_is_lossless, assert_weights_are_cached_and_reused
+from tests.models.test_quant import (
+    assert_scores_alone_as_beside_drafts,
+    assert_speculation_is_lossless,
+    assert_weights_are_cached_and_reused,
+)
 from tests.test_engine import PROMPTS
 from verispec.errors import VerispecError
 from verispec.models import int4
@@ -107,17 +111,7 @@ def test_int4_logits_stay_close_to_float32(float_and_int4):
 
 
 def test_int4_model_scores_a_token_identically_alone_or_beside_drafts(float_and_int4):
-    _, q4 = float_and_int4
-    prompt = [i % 90 + 3 for i in range(137)]
-
-    def after_prefill(step: list[int]) -> torch.Tensor:
-        cache = q4.new_cache()
-        q4.forward(torch.tensor([prompt[:-1]]), cache)
-        return q4.forward(torch.tensor([step]), cache, logits_to_keep=len(step)).logits[0]
-
-    alone = after_prefill([prompt[-1]])[0]
-    assert torch.equal(alone, after_prefill([prompt[-1], 5, 6, 7])[0])
-    assert torch.equal(alone, after_prefill([prompt[-1], *range(10, 40)])[0])
+    assert_scores_alone_as_beside_drafts(float_and_int4[1])
 
 
 def test_speculation_is_lossless_on_the_int4_path(float_and_int4):

@@ -95,23 +95,26 @@ def test_rowwise_int8_linear_is_batch_invariant_to_the_bit():
 
 
 def test_int8_model_scores_a_token_identically_alone_or_beside_drafts(float_and_int8):
-    """The int8 model is batch-invariant to the bit in decode and verify steps (the engine prefills
-    every prompt but its last token in one identical call, with or without speculation)."""
-    _, int8 = float_and_int8
+    assert_scores_alone_as_beside_drafts(float_and_int8[1])
+
+
+def assert_scores_alone_as_beside_drafts(model: HFCausalLM) -> None:
+    """The quantized model is batch-invariant to the bit in decode and verify steps (the engine
+    prefills every prompt but its last token in one identical call, with or without speculation)."""
     prompt = [i % 90 + 3 for i in range(137)]  # long enough for stock attention to change block sizes
 
     def after_prefill(step: list[int]) -> torch.Tensor:
-        cache = int8.new_cache()
-        int8.forward(torch.tensor([prompt[:-1]]), cache)
-        return int8.forward(torch.tensor([step]), cache, logits_to_keep=len(step)).logits[0]
+        cache = model.new_cache()
+        model.forward(torch.tensor([prompt[:-1]]), cache)
+        return model.forward(torch.tensor([step]), cache, logits_to_keep=len(step)).logits[0]
 
     alone = after_prefill([prompt[-1]])[0]
     assert torch.equal(alone, after_prefill([prompt[-1], 5, 6, 7])[0])
     assert torch.equal(alone, after_prefill([prompt[-1], *range(10, 40)])[0])
     # And tokens verified at depth 1 and 2 score as they do when decoded one by one.
-    cache = int8.new_cache()
-    int8.forward(torch.tensor([prompt[:-1]]), cache)
-    decoded = [int8.forward(torch.tensor([[t]]), cache).logits[0, -1] for t in (prompt[-1], 5, 6)]
+    cache = model.new_cache()
+    model.forward(torch.tensor([prompt[:-1]]), cache)
+    decoded = [model.forward(torch.tensor([[t]]), cache).logits[0, -1] for t in (prompt[-1], 5, 6)]
     verified = after_prefill([prompt[-1], 5, 6, 7])
     for depth in range(3):
         assert torch.equal(decoded[depth], verified[depth])
