@@ -3,6 +3,7 @@ lossless speculation on top of it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -26,22 +27,29 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+LONG_PROMPT = [(7 * i + 3) % 97 for i in range(40)]
+
+
 def _linear(n: int, k: int, seed: int, bias: bool = True) -> torch.nn.Linear:
     torch.manual_seed(seed)
     return torch.nn.Linear(k, n, bias=bias)
 
 
+@pytest.mark.parametrize("kernel", ["decode", "many-row"])
 @pytest.mark.parametrize(
-    ("n", "k", "bias"), [(48, 64, True), (130, 576, False), (8, 300, True), (256, 1536, True)]
+    ("n", "k", "bias"),
+    [(48, 64, True), (130, 576, False), (8, 300, True), (256, 1536, True), (37, 100, True)],
 )
-def test_kernel_matches_its_dequantized_weights(n, k, bias):
-    """Padding of inputs (to a whole group) and channels (to 4) is invisible; the only error left beside the
-    weights' own is the 8-bit rounding of each activation row."""
+def test_kernel_matches_its_dequantized_weights(n, k, bias, kernel):
+    """Padding of inputs (to a whole group) and channels (to 4, and to the many-row kernel's tiles
+    of 32) is invisible; the only error left beside the weights' own is the 8-bit rounding of each
+    activation row."""
     linear = _linear(n, k, seed=n + k, bias=bias)
     q = Int4Linear.from_linear(linear)
-    x = torch.randn(5, k)
-    got = q(x)
-    assert got.shape == (5, n)
+    x = torch.randn(13, k)
+    with int4.prompt_rows() if kernel == "many-row" else contextlib.nullcontext():
+        got = q(x)
+    assert got.shape == (13, n)
     weight = dequantize(q.packed, q.scales, q.offsets, (n, k))
     want = x @ weight.T + (linear.bias if bias else 0)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02
@@ -65,6 +73,29 @@ def test_kernel_is_batch_invariant_to_the_bit():
         assert torch.equal(q(rows), together)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel():
+    """Prompt rows: each row's output is the same alone or among others (to the bit, any count,
+    any position, any thread count), and within float rounding of the decode kernel's."""
+    q = Int4Linear.from_linear(_linear(70, 1000, seed=2))
+    rows = torch.randn(29, 1000) * torch.logspace(-2, 2, 29)[:, None]
+    decode = q(rows)
+    with int4.prompt_rows():
+        together = q(rows)
+        for m in (1, 5, 6, 7, 12, 13, 28):  # around the kernel's 6-row blocks
+            assert torch.equal(q(rows[:m]), together[:m])
+            assert torch.equal(q(rows[-m:]), together[-m:])
+        assert torch.equal(q(rows.flip(0)), together.flip(0))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(q(rows), together)
+        finally:
+            torch.set_num_threads(threads)
+    assert not torch.equal(together, decode)  # really the other kernel
+    assert ((together - decode).norm(dim=-1) / decode.norm(dim=-1)).max() < 1e-5
+    assert torch.equal(q(rows), decode)  # and the block's end restores the decode kernel
 
 
 def test_the_fitted_scales_never_lose_to_plain_rounding_and_clip_outliers():
@@ -117,6 +148,44 @@ def test_int4_model_scores_a_token_identically_alone_or_beside_drafts(float_and_
 def test_speculation_is_lossless_on_the_int4_path(float_and_int4):
     """int4 target with a float32 draft: greedy speculative output equals the int4 target's own."""
     assert_speculation_is_lossless(*float_and_int4)
+
+
+def test_only_passes_that_keep_no_logits_take_the_many_row_kernel(float_and_int4, monkeypatch):
+    """Prefill (no logits kept) runs the many-row kernel; decode and verify rows never do."""
+    _, q4 = float_and_int4
+    seen: list[bool] = []
+    forward = Int4Linear.forward
+
+    def spy(self: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+        seen.append(int4._PROMPT_ROWS.get())
+        return forward(self, x)
+
+    monkeypatch.setattr(Int4Linear, "forward", spy)
+    cache = q4.new_cache()
+    q4.forward_batch([cache], [LONG_PROMPT[:-1]], logits_to_keep=[0])
+    assert seen and all(seen)
+    seen.clear()
+    q4.forward_batch([cache], [[*LONG_PROMPT[-1:], 7, 8]], logits_to_keep=[3])
+    assert seen and not any(seen)
+
+
+def test_a_prompt_prefills_the_same_alone_or_beside_another(float_and_int4):
+    """The engine batches prefills of different requests; a prompt's next-token scores must not
+    depend on its neighbours (to the bit: the decode steps after it compare plain and speculative)."""
+    _, q4 = float_and_int4
+    other = [9, 4] * 30
+    alone = q4.new_cache()
+    q4.forward_batch([alone], [LONG_PROMPT[:-1]], logits_to_keep=[0])
+    pair = [q4.new_cache(), q4.new_cache()]
+    q4.forward_batch(pair, [other, LONG_PROMPT[:-1]], logits_to_keep=[0, 0])
+    want = q4.forward_batch([alone], [LONG_PROMPT[-1:]], logits_to_keep=[1]).logits[0]
+    got = q4.forward_batch([pair[1]], [LONG_PROMPT[-1:]], logits_to_keep=[1]).logits[0]
+    assert torch.equal(got, want)
+
+
+def test_speculation_is_lossless_on_the_int4_path_after_a_long_prompt(float_and_int4):
+    """A prompt longer than any decode row (so prefill takes the many-row kernel and SDPA)."""
+    assert_speculation_is_lossless(*float_and_int4, prompts=[LONG_PROMPT])
 
 
 def test_int4_weights_are_cached_and_reused(tmp_path):

@@ -49,12 +49,14 @@ def test_speculation_is_lossless_on_the_int8_path(float_and_int8):
     assert_speculation_is_lossless(*float_and_int8)
 
 
-def assert_speculation_is_lossless(fp32: HFCausalLM, quantized: HFCausalLM) -> None:
+def assert_speculation_is_lossless(
+    fp32: HFCausalLM, quantized: HFCausalLM, prompts: list[list[int]] = PROMPTS
+) -> None:
     """Greedy speculation with ``fp32`` drafting for ``quantized`` equals ``quantized``'s own output."""
     plain = make_engine(quantized, None, None)
     spec = make_engine(quantized, fp32, "draft", k=4)
     accepted = 0
-    for prompt in PROMPTS:
+    for prompt in prompts:
         got = spec.generate(prompt, max_new_tokens=30)
         assert got.token_ids == plain.generate(prompt, max_new_tokens=30).token_ids
         accepted += got.stats.num_accepted

@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
 from verispec.models.attention import register as register_attention
 from verispec.models.base import BatchOutput, ForwardOutput
+from verispec.models.int4 import prompt_rows
 from verispec.models.kv import KVBuffer, RowBatch
 from verispec.models.quant import quantize_model, resolve_quantization
 
@@ -95,6 +97,9 @@ class HFCausalLM:
         same tokens as the logits. ``positions`` overrides
         the default positions (cache length onwards), as token trees do; ``tree_masks`` gives each
         row's attention among its new tokens (see :class:`RowBatch`).
+
+        A pass that keeps no logits feeds prompt tokens (the engine's prefill, the heads' training
+        data): on the int4 path it runs the many-row kernel (:func:`~verispec.models.int4.prompt_rows`).
         """
         if not tokens or any(len(t) == 0 for t in tokens):
             raise ValueError("every row of a batched forward needs at least one token")
@@ -116,14 +121,15 @@ class HFCausalLM:
             else:
                 position_ids[b] = torch.arange(starts[b], starts[b] + width)
         rows = RowBatch(caches=caches, starts=starts, lengths=lengths, tree_masks=tree_masks)
-        out = self.decoder(
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids.to(self.device),
-            attention_mask=_NO_MASKS,
-            use_cache=True,
-            verispec_rows=rows,
-            **{self._cache_kwarg: rows},
-        )
+        with prompt_rows() if not any(logits_to_keep) else nullcontext():
+            out = self.decoder(
+                input_ids=input_ids.to(self.device),
+                position_ids=position_ids.to(self.device),
+                attention_mask=_NO_MASKS,
+                use_cache=True,
+                verispec_rows=rows,
+                **{self._cache_kwarg: rows},
+            )
         for cache, n in zip(caches, lengths, strict=True):
             cache.advance(n)
         hidden = out.last_hidden_state  # [B, S, H]

@@ -21,6 +21,12 @@ from verispec.proposers.base import Proposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
 from verispec.types import Draft
 
+_PROMPT_ROWS = 16
+"""A draft's backlog longer than this is a prompt it has not seen: all of it but the last token is
+fed first in a pass that keeps no logits (on the int4 path, the many-row kernel; see
+:func:`verispec.models.int4.prompt_rows`). Shorter backlogs (a step's bonus tokens) are not split,
+as an extra pass would cost a whole draft forward."""
+
 _DRAFT_SEED_OFFSET = 0x5EED
 """The draft samples from its own generator, seeded apart from the verifier's, so seeded runs repeat."""
 
@@ -71,6 +77,13 @@ class DraftModelProposer(Proposer):
                 state.fed_before_draft = len(ids)
                 state.fed_drafts = 0
                 feed[b] = list(ids[state.cache.length :])  # committed tokens the draft has not seen
+        prompts = {b: rows[:-1] for b, rows in feed.items() if len(rows) > _PROMPT_ROWS}
+        if prompts:
+            self.model.forward_batch(
+                [states[b].cache for b in prompts], list(prompts.values()), logits_to_keep=[0] * len(prompts)
+            )
+            for b in prompts:
+                feed[b] = feed[b][-1:]
         for i in range(max(ks, default=0)):
             if not feed:
                 break

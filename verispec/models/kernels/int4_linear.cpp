@@ -8,11 +8,13 @@
 // streams each weight block from memory once per call, reusing it from L1 for up to 8 activation
 // rows. The per-row integer work, not the memory, is what grows with the rows: the whole 1.5B
 // forward costs ~44 / 64 / 104 / 190 ms at 1 / 4 / 8 / 16 rows (NOTES.md has the layouts tried).
+// Prompts (tens to hundreds of rows) take a second entry point, int4_linear_many, that unpacks the
+// weights once per call and runs them fbgemm-style: ~1.3-1.5x the decode kernel's rows per second.
 //
 // Exact batch invariance: each output element (row m, channel n) is computed by one thread with
 // the same sequence of operations whatever the number of rows in the call and wherever row m sits,
 // so a token scores the same decoded alone, verified beside drafts or batched with other
-// sequences. The build uses -ffp-contract=off so the compiler cannot fuse some multiply-adds in
+// sequences (int4_linear_many keeps rows independent too, in its own order; see there). The build uses -ffp-contract=off so the compiler cannot fuse some multiply-adds in
 // one code path and not in another.
 //
 // Weight format: output channels in blocks of 4 (N padded with zero channels); for each block and
@@ -40,33 +42,50 @@ constexpr int64_t kRowBlock = 8;  // activation rows per pass over a weight bloc
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in a thread's weight stream
 constexpr int64_t kColBlock = 4;  // output channels per weight block: one per 128-bit lane
 constexpr int64_t kGroupBytes = kColBlock * kGroup / 2;  // one block's group: 4 channels x kGroup nibbles
-constexpr int64_t kVectors = kGroup / 32;  // 64-byte weight vectors per block and group
+constexpr int64_t kVectors = kGroup / 32;
+static_assert(kGroup == 64, "quantize_row sums a group as one 64-byte vector");  // 64-byte weight vectors per block and group
 
 // Per-row symmetric int8 quantization of x [M, K] into q [M, Kp] (zero padded), with each row's
 // scale and each group's sum of quantized activations (the offset term's factor, as a float: exact
-// for these small integers, and the kernel then needs no conversion per group and row).
+// for these small integers, and the kernel then needs no conversion per group and row). Vectorized
+// and split over rows (a prompt's rows are many): each value is rounded by itself (x * inv rounded
+// to nearest-even, clamped), so the bits are those of the scalar loop in any split.
+void quantize_row(const float* row, int64_t K, int64_t Kp, int8_t* out, float* scale, float* gsum) {
+  const int64_t groups = Kp / kGroup;
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; k < K; ++k) amax = std::fmax(amax, std::fabs(row[k]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  *scale = amax / 127.f;
+  const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+  for (k = 0; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(row + k), vinv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+  for (; k < K; ++k) {
+    float v = std::nearbyint(row[k] * inv);
+    v = std::fmin(127.f, std::fmax(-127.f, v));
+    out[k] = static_cast<int8_t>(v);
+  }
+  for (k = K; k < Kp; ++k) out[k] = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i bytes = _mm512_loadu_si512(out + g * kGroup);  // kGroup = 64 int8
+    const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
+    gsum[g] = static_cast<float>(_mm512_reduce_add_epi32(sums));
+  }
+}
+
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* scale,
                    float* gsum) {
   const int64_t groups = Kp / kGroup;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(row[k]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    scale[m] = amax / 127.f;
-    int8_t* out = q + m * Kp;
-    for (int64_t k = 0; k < K; ++k) {
-      float v = std::nearbyint(row[k] * inv);
-      v = std::fmin(127.f, std::fmax(-127.f, v));
-      out[k] = static_cast<int8_t>(v);
-    }
-    for (int64_t k = K; k < Kp; ++k) out[k] = 0;
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t b = 0; b < kGroup; ++b) sum += out[g * kGroup + b];
-      gsum[m * groups + g] = static_cast<float>(sum);
-    }
-  }
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, Kp, q + m * Kp, scale + m, gsum + m * groups);
+  });
 }
 
 // Output channels [4 nb, 4 nb + 4) for activation rows [m0, m0 + ROWS). Each 128-bit lane holds
@@ -130,18 +149,22 @@ void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_
       off[r] = _mm512_fmadd_ps(o, _mm512_permutexvar_ps(lane_of, _mm512_castps128_ps512(sums)), off[r]);
     }
   }
+  // Per channel j: ((l0 + l1) + (l2 + l3)) of its 128-bit lane, plus (o_j + o_4+j) + (o_8+j + o_12+j)
+  // of the offset lanes: the same additions in the same order for every row, done in vectors.
+  const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  const __mmask8 tail = static_cast<__mmask8>((1u << std::min<int64_t>(kColBlock, N - n0)) - 1);
+  const __m128 b4 = bias != nullptr ? _mm_maskz_loadu_ps(tail, bias + n0) : _mm_setzero_ps();
   for (int64_t r = 0; r < ROWS; ++r) {
-    alignas(64) float lanes[16];
-    alignas(64) float offs[16];
-    _mm512_store_ps(lanes, acc[r]);
-    _mm512_store_ps(offs, off[r]);
-    for (int64_t j = 0; j < kColBlock && n0 + j < N; ++j) {
-      const float* l = lanes + 4 * j;
-      const float o = (offs[j] + offs[4 + j]) + (offs[8 + j] + offs[12 + j]);
-      float v = xs[m0 + r] * (((l[0] + l[1]) + (l[2] + l[3])) + o);
-      if (bias != nullptr) v = v + bias[n0 + j];
-      y[(m0 + r) * N + n0 + j] = v;
-    }
+    __m512 l = acc[r];
+    l = _mm512_add_ps(l, _mm512_permute_ps(l, 0xB1));  // (l0+l1), (l1+l0), (l2+l3), (l3+l2)
+    l = _mm512_add_ps(l, _mm512_permute_ps(l, 0x4E));  // (l0+l1)+(l2+l3) in every element
+    __m512 o = off[r];
+    o = _mm512_add_ps(o, _mm512_shuffle_f32x4(o, o, 0xB1));  // lanes (0+1), (1+0), (2+3), (3+2)
+    o = _mm512_add_ps(o, _mm512_shuffle_f32x4(o, o, 0x4E));  // (0+1)+(2+3)
+    const __m128 sums = _mm512_castps512_ps128(_mm512_permutexvar_ps(pick, l));
+    __m128 v = _mm_mul_ps(_mm_set1_ps(xs[m0 + r]), _mm_add_ps(sums, _mm512_castps512_ps128(o)));
+    if (bias != nullptr) v = _mm_add_ps(v, b4);
+    _mm_mask_storeu_ps(y + (m0 + r) * N + n0, tail, v);
   }
 }
 
@@ -160,7 +183,114 @@ void dispatch(int64_t rows, Args... args) {
   }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+
+// ---------------------------------------------------------------------------------------------
+// The many-row kernel (prefill). Each call unpacks a tile of 32 channels once into L2 as bytes laid
+// out fbgemm-style, [input quad][channel][4 inputs], so one VNNI product covers 16 channels x 4
+// inputs against a 4-byte activation broadcast, and a group's integer sums of 6 rows x 32 channels
+// stay in registers over its 64 inputs: one conversion and two multiply-adds per 16 products,
+// against one per 4 in the decode kernel. Rows are still independent of each other (each row's
+// operations do not depend on M or on its neighbours), but the float order differs from the decode
+// kernel's, so a token fed here scores within rounding of, not bit-identically to, the same token
+// fed through int4_linear: only prompt tokens, fed the same way whether the engine speculates or
+// not, come here (see Int4Linear).
+constexpr int64_t kTile = 32;
+constexpr int64_t kTileBlocks = kTile / kColBlock;
+constexpr int64_t kWideRows = 6;
+
+void unpack_tile(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, int64_t b0, int64_t nblk,
+                 int64_t groups, uint8_t* W, float* S, float* O) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // (128-bit lane j = channel j, dword q = input quad q) -> (lane q, dword j)
+  const __m512i transpose = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  if (nblk < kTileBlocks) {
+    std::memset(W, 0, groups * kGroup / 4 * kTile * 4);
+    std::memset(S, 0, groups * kTile * sizeof(float));
+    std::memset(O, 0, groups * kTile * sizeof(float));
+  }
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const uint8_t* wb = w + (b0 + bi) * groups * kGroupBytes;
+    const uint16_t* sb = ws + (b0 + bi) * groups * kColBlock;
+    const uint16_t* ob = wo + (b0 + bi) * groups * kColBlock;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t t = 0; t < kVectors; ++t) {
+        const __m512i bytes = _mm512_loadu_si512(wb + g * kGroupBytes + t * 64);
+        const __m512i lo = _mm512_permutexvar_epi32(transpose, _mm512_and_si512(bytes, low4));
+        const __m512i hi = _mm512_permutexvar_epi32(
+            transpose, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
+        uint8_t* dst_lo = W + ((g * 16 + 8 * t) * kTile + kColBlock * bi) * 4;  // quads 8t .. 8t+3
+        uint8_t* dst_hi = dst_lo + 4 * kTile * 4;                                 // quads 8t+4 .. 8t+7
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 0 * kTile * 4), _mm512_extracti32x4_epi32(lo, 0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 1 * kTile * 4), _mm512_extracti32x4_epi32(lo, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 2 * kTile * 4), _mm512_extracti32x4_epi32(lo, 2));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 3 * kTile * 4), _mm512_extracti32x4_epi32(lo, 3));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 0 * kTile * 4), _mm512_extracti32x4_epi32(hi, 0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 1 * kTile * 4), _mm512_extracti32x4_epi32(hi, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 2 * kTile * 4), _mm512_extracti32x4_epi32(hi, 2));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 3 * kTile * 4), _mm512_extracti32x4_epi32(hi, 3));
+      }
+      for (int64_t j = 0; j < kColBlock; ++j) {
+        S[g * kTile + kColBlock * bi + j] = _cvtsh_ss(sb[g * kColBlock + j]);
+        O[g * kTile + kColBlock * bi + j] = _cvtsh_ss(ob[g * kColBlock + j]);
+      }
+    }
+  }
+}
+
+template <int64_t ROWS>
+void wide_rows(const uint8_t* W, const float* S, const float* O, const int8_t* q, const float* xs,
+               const float* gsum, const float* bias, float* y, int64_t n0, int64_t nvalid, int64_t m0,
+               int64_t N, int64_t Kp) {
+  const int64_t groups = Kp / kGroup;
+  __m512 acc[ROWS][2];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i d[ROWS][2];
+    for (int64_t r = 0; r < ROWS; ++r) d[r][0] = d[r][1] = _mm512_setzero_si512();
+    const uint8_t* wg = W + g * 16 * kTile * 4;
+    for (int64_t s = 0; s < kGroup / 4; ++s) {
+      const __m512i w0 = _mm512_loadu_si512(wg + s * kTile * 4);
+      const __m512i w1 = _mm512_loadu_si512(wg + s * kTile * 4 + 64);
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t a4;
+        std::memcpy(&a4, q + (m0 + r) * Kp + g * kGroup + 4 * s, 4);
+        const __m512i a = _mm512_set1_epi32(a4);
+        d[r][0] = _mm512_dpbusd_epi32(d[r][0], w0, a);
+        d[r][1] = _mm512_dpbusd_epi32(d[r][1], w1, a);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(S + g * kTile), s1 = _mm512_loadu_ps(S + g * kTile + 16);
+    const __m512 o0 = _mm512_loadu_ps(O + g * kTile), o1 = _mm512_loadu_ps(O + g * kTile + 16);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512 gs = _mm512_set1_ps(gsum[(m0 + r) * groups + g]);
+      acc[r][0] = _mm512_fmadd_ps(o0, gs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][0]), s0, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(o1, gs, _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][1]), s1, acc[r][1]));
+    }
+  }
+  const __mmask16 m_lo = static_cast<__mmask16>(nvalid >= 16 ? 0xFFFF : (1u << nvalid) - 1);
+  const __mmask16 m_hi = static_cast<__mmask16>(nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : (1u << (nvalid - 16)) - 1);
+  const __m512 b0 = bias != nullptr ? _mm512_maskz_loadu_ps(m_lo, bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = bias != nullptr ? _mm512_maskz_loadu_ps(m_hi, bias + n0 + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < ROWS; ++r) {
+    const __m512 x = _mm512_set1_ps(xs[m0 + r]);
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, m_lo, _mm512_add_ps(_mm512_mul_ps(x, acc[r][0]), b0));
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + 16, m_hi, _mm512_add_ps(_mm512_mul_ps(x, acc[r][1]), b1));
+  }
+}
+
+template <typename... Args>
+void dispatch_wide(int64_t rows, Args... args) {
+  switch (rows) {
+    case 1: wide_rows<1>(args...); break;
+    case 2: wide_rows<2>(args...); break;
+    case 3: wide_rows<3>(args...); break;
+    case 4: wide_rows<4>(args...); break;
+    case 5: wide_rows<5>(args...); break;
+    default: wide_rows<6>(args...); break;
+  }
+}
+
+at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                        int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear: x must be float32");
@@ -201,6 +331,22 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const auto* ws = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
   const auto* wo = reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
+  if (many) {
+    const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<uint8_t> W(Kp * kTile);
+      std::vector<float> S(groups * kTile), O(groups * kTile);
+      for (int64_t tile = t0; tile < t1; ++tile) {
+        const int64_t b0 = tile * kTileBlocks, nblk = std::min(kTileBlocks, blocks - b0);
+        unpack_tile(w, ws, wo, b0, nblk, groups, W.data(), S.data(), O.data());
+        const int64_t n0 = b0 * kColBlock, nvalid = std::min<int64_t>(kTile, N - n0);
+        for (int64_t m0 = 0; m0 < M; m0 += kWideRows)
+          dispatch_wide(std::min(kWideRows, M - m0), W.data(), S.data(), O.data(), q.data(), xs.data(),
+                        gsum.data(), bptr, yp, n0, nvalid, m0, N, Kp);
+      }
+    });
+    return y.reshape(out_shape);
+  }
   // Threads split the channel blocks only: which thread computes (m, n) never depends on M.
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
@@ -211,10 +357,26 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y.reshape(out_shape);
 }
 
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  return int4_linear_impl(false, x, weight, scales, offsets, bias, out_features);
+}
+
+at::Tensor int4_linear_many(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                            const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  return int4_linear_impl(true, x, weight, scales, offsets, bias, out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(verispec, m) {
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor? bias, int out_features) -> Tensor");
+  m.def("int4_linear_many(Tensor x, Tensor weight, Tensor scales, Tensor offsets, Tensor? bias, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(verispec, CPU, m) { m.impl("int4_linear", int4_linear); }
+TORCH_LIBRARY_IMPL(verispec, CPU, m) {
+  m.impl("int4_linear", int4_linear);
+  m.impl("int4_linear_many", int4_linear_many);
+}
