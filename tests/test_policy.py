@@ -273,3 +273,16 @@ def test_tree_nodes_are_kept_while_their_gain_pays_for_their_verify_token():
     kept = AdaptiveDepth(costs).choose([query])[0]
     rate = lambda m: (1 + sum(gains[:m])) / costs.target_seconds(1 + m, 10 * (1 + m))  # noqa: E731
     assert kept == max(range(7), key=rate) == 3  # the best prefix: nodes worth their token
+
+
+def test_measured_costs_are_keyed_by_the_int4_kernel_build(tiny_target, monkeypatch):
+    """Step costs are cached per model; a changed int4 kernel must be measured again, not priced
+    with the old kernel's curve (the policy would pick depths for the wrong costs)."""
+    from verispec import costs
+    from verispec.models import int4
+
+    monkeypatch.setattr(tiny_target, "quantization", "int4", raising=False)
+    monkeypatch.setattr(int4, "kernel_key", lambda: "aaaaaaaaaaaaaaaa")
+    before = costs._identity(tiny_target, None)
+    monkeypatch.setattr(int4, "kernel_key", lambda: "bbbbbbbbbbbbbbbb")
+    assert costs._identity(tiny_target, None) != before

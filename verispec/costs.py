@@ -215,10 +215,15 @@ def _tuples(d: dict[str, list]) -> dict[str, tuple]:
 
 
 def _identity(target: CausalLM, draft: CausalLM | None) -> str:
-    """Model names, shapes, quantization and threads: what changes a forward's cost."""
+    """Model names, shapes, quantization (with the int4 kernel's build) and threads: what changes a
+    forward's cost."""
 
     def one(m: CausalLM) -> str:
         quant = getattr(m, "quantization", "none")
+        if quant == "int4":
+            from verispec.models.int4 import kernel_key
+
+            quant = f"int4{kernel_key()[:8]}"
         params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0
         return f"{m.name}-{m.vocab_size}-{m.hidden_size}-{params}-{quant}-{m.device}".replace("/", "_")
 

@@ -63,12 +63,17 @@ def cpu_supports_int4() -> bool:
     return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", " fma ", " f16c "))
 
 
+def kernel_key() -> str:
+    """Names this build of the kernel (source, torch, flags): its build folder, and part of the
+    measured step costs' key, since a changed kernel changes what each depth costs."""
+    stamp = _SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS).encode()
+    return hashlib.sha256(stamp).hexdigest()[:16]
+
+
 def _build_dir() -> Path:
     from verispec.models.registry import cache_root
 
-    stamp = _SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS).encode()
-    key = hashlib.sha256(stamp).hexdigest()[:16]
-    return cache_root() / "kernels" / f"int4-{key}"
+    return cache_root() / "kernels" / f"int4-{kernel_key()}"
 
 
 def ensure_kernel() -> None:
