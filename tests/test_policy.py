@@ -84,11 +84,29 @@ def test_acceptance_estimate_learns_forgets_and_starts_from_the_prior():
     for _ in range(20):
         seq.observe(drafted=4, accepted=0)  # always rejected at the first position
     assert seq.at(0) < 0.2
-    assert seq.at(1) == prior.at(1)  # never reached: no evidence at position 1
+    assert seq.at(1) == seq.at(0)  # never reached by anyone: the deepest measured position's rate
     low = seq.at(0)
     for _ in range(30):
         seq.relax()
     assert low < seq.at(0) <= prior.at(0) + 1e-9  # drifts back, so it is tried again
+
+
+def test_a_well_predicted_sequence_is_drafted_deeper_than_it_was_ever_measured():
+    """Measured only at depth 1 (0.95 accepted), a draft model costing half a target step must be
+    taken past k = 1, or depth 2 would never be measured. With the fixed prior (0.8) assumed at the
+    unmeasured depths, the policy stayed at k = 1 (int4 Qwen pair, session 6)."""
+    int4_pair = StepCostModel(  # as measured by the engine for that pair
+        Curve((1, 2, 4, 8, 16), (0.0403, 0.0431, 0.0521, 0.0818, 0.1518)),
+        draft=Curve((1, 2, 4, 8, 16), (0.0211, 0.0224, 0.0273, 0.0376, 0.0641)),
+    )
+    seq = AcceptanceEstimate(AcceptancePrior())
+    for _ in range(20):
+        seq.observe(drafted=1, accepted=1)
+    assert seq.at(0) > 0.9 and seq.at(2) == seq.at(0)
+    ks = AdaptiveDepth(int4_pair).choose([DepthQuery(cap=5, survival=seq.survival(5), context=200)])
+    assert ks[0] >= 3
+    fixed_prior = [seq.at(0) * PRIOR_ACCEPTANCE**j for j in range(5)]  # the old assumption
+    assert AdaptiveDepth(int4_pair).choose([DepthQuery(cap=5, survival=fixed_prior, context=200)]) == [1]
 
 
 def test_cost_model_corrects_its_scale_from_observed_steps():

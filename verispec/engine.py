@@ -5,7 +5,7 @@ One :meth:`SpecEngine.step`:
 1. admit waiting requests while fewer than ``max_batch_size`` are running (continuous batching:
    sequences join and leave between steps);
 2. prefill: each new sequence feeds all its prompt tokens but the last, in chunks whose boundaries
-   depend on the prompt alone, within a per-step token budget;
+   depend on the prompt alone, within a per-step token budget (a draft model is fed them too);
 3. decode: the depth policy picks k per sequence from what is known before verification; the
    proposer drafts for every sequence (one batched pass for a draft model); one batched target
    forward scores every row's ``[pending, d_1 .. d_k]``; each row is verified on its own, its cache
@@ -290,6 +290,11 @@ class SpecEngine:
                 if out.hidden is not None and self.proposer is not None:
                     for seq, hidden in zip(seqs, out.hidden, strict=True):
                         self.proposer.prefill(seq.proposer_state, hidden)
+                speculating = [b for b, s in enumerate(seqs) if s.request.num_speculative_tokens > 0]
+                if self.proposer is not None and speculating:
+                    self.proposer.prefill_tokens(
+                        [seqs[b].proposer_state for b in speculating], [rows[b] for b in speculating]
+                    )
                 return []
 
             outputs.extend(self._guarded(seqs, run))

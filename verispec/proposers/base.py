@@ -77,6 +77,14 @@ class Proposer(ABC):
         """For proposers that :attr:`needs_hidden`: the target's hidden states ``[n, H]`` of the
         next n prompt positions, as the engine prefills them (all prompt tokens but the last)."""
 
+    def prefill_tokens(  # noqa: B027 - optional hook
+        self, states: Sequence[Any], rows: Sequence[Sequence[int]]
+    ) -> None:
+        """The engine's prefill chunks (prompt tokens), as it feeds them to the target. A proposer
+        with a model of its own (a draft model) feeds them too, so its first proposal has only the
+        last prompt token to catch up on: priced as a backlog at the first decode step, a long
+        prompt kept the depth policy from ever starting a draft model."""
+
     def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default
         """Free per-sequence resources (a KV cache) when the sequence finishes."""
 

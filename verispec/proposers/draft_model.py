@@ -22,10 +22,10 @@ from verispec.sampling import logits_to_probs, make_generator, sample
 from verispec.types import Draft
 
 _PROMPT_ROWS = 16
-"""A draft's backlog longer than this is a prompt it has not seen: all of it but the last token is
-fed first in a pass that keeps no logits (on the int4 path, the many-row kernel; see
-:func:`verispec.models.int4.prompt_rows`). Shorter backlogs (a step's bonus tokens) are not split,
-as an extra pass would cost a whole draft forward."""
+"""A draft's backlog longer than this (tokens it sat out while the policy decoded plainly, or a
+prompt it was not given at prefill) is fed all but its last token first, in a pass that keeps no
+logits (on the int4 path, the many-row kernel; see :func:`verispec.models.int4.prompt_rows`).
+Shorter backlogs (a step's bonus tokens) are not split, as an extra pass costs a whole draft forward."""
 
 _DRAFT_SEED_OFFSET = 0x5EED
 """The draft samples from its own generator, seeded apart from the verifier's, so seeded runs repeat."""
@@ -60,6 +60,9 @@ class DraftModelProposer(Proposer):
 
     def backlog(self, state: DraftModelState, token_ids: Sequence[int]) -> int:
         return len(token_ids) - state.cache.length
+
+    def prefill_tokens(self, states: Sequence[DraftModelState], rows: Sequence[Sequence[int]]) -> None:
+        self.model.forward_batch([s.cache for s in states], rows, logits_to_keep=[0] * len(rows))
 
     def propose(self, state: DraftModelState, token_ids: Sequence[int], k: int) -> Draft:
         return self.propose_batch([state], [token_ids], [k])[0]
