@@ -57,3 +57,20 @@ def test_a_long_backlog_is_fed_in_one_pass_keeping_no_logits(tiny_target, tiny_d
     assert draft_calls[0] == ([len(PROMPT) - 1], [0])
     assert [c[0] for c in draft_calls[1:]] == [[1], [1], [1]]
     assert state.cache.length == len(PROMPT) + 2  # the last draft token is sampled, not fed
+
+
+def test_a_step_without_a_proposal_keeps_the_prompt_the_draft_was_fed(tiny_target, tiny_draft):
+    """Plain steps (the policy chose k = 0) must not trim the draft's cache: once they did, back to
+    the last proposal's start, so a prompt fed at prefill was thrown away whenever the first step
+    did not speculate, and the draft then had the whole prompt as a backlog."""
+    engine = make_engine(tiny_target, tiny_draft, "draft", k=3)
+    proposer = engine.proposer
+    state = proposer.new_state(PROMPT, SamplingConfig())
+    proposer.prefill_tokens([state], [PROMPT[:-1]])
+    committed = [*PROMPT, 11]
+    proposer.update(state, committed, 0)  # a plain step: no proposal
+    assert state.cache.length == len(PROMPT) - 1
+    assert proposer.backlog(state, committed) == 2
+    draft = proposer.propose_batch([state], [committed], [3])[0]
+    proposer.update(state, [*committed, int(draft.tokens[0])], 1)  # first draft token accepted
+    assert state.cache.length == len(committed) + 1

@@ -125,11 +125,11 @@ def prompt_rows() -> Iterator[None]:
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[N, K] float -> the kernel's (packed uint8 [N/4, G*256], scales [N/4, G*4], offsets [N/4, G*4]).
+    """[N, K] float -> the kernel's (packed uint8 [N/4, G*128], scales [N/4, G*4], offsets [N/4, G*4]).
 
-    Asymmetric 4-bit per group of 128 inputs (w ~ s*q + o, q in 0..15); for each group the clipping
-    of its range with the smallest squared error among :data:`_CLIPS` is kept. N is padded to a
-    multiple of 4 with zero channels and K to a multiple of 128 with zero inputs.
+    Asymmetric 4-bit per group of GROUP (64) inputs (w ~ s*q + o, q in 0..15); for each group the
+    clipping of its range with the smallest squared error among :data:`_CLIPS` is kept, then refit.
+    N is padded to a multiple of 4 with zero channels and K to a multiple of GROUP with zero inputs.
     """
     w = weight.detach().float()
     n, k = w.shape
@@ -162,7 +162,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     best_s, best_o = best_s.half(), best_o.half()  # stored as float16: 4.5 bits per weight in all
     q = ((w - best_o.float()) / best_s.float()).round().clamp(0, 15).to(torch.uint8)  # [N, G, GROUP]
     blocks, groups = n_pad // COLS, k_pad // GROUP
-    # Kernel layout: per block and group, 4 vectors t of 64 bytes; 16-byte lane j of vector t holds
+    # Kernel layout: per block and group, GROUP / 32 vectors t of 64 bytes; 16-byte lane j of vector t holds
     # channel j's inputs 32t..32t+15 in its low nibbles and 32t+16..32t+31 in its high ones.
     q = q.view(blocks, COLS, groups, GROUP // 32, 2, 16)  # [block, j, g, t, half, i]
     packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [block, g, t, j, i]

@@ -38,6 +38,7 @@ class DraftModelState:
     generator: torch.Generator
     fed_before_draft: int = 0  # cache length when the last draft started (all committed tokens)
     fed_drafts: int = 0  # draft tokens of the last proposal that were fed into the cache
+    drafting: bool = False  # a proposal was made this step (update trims its rejected tokens)
 
 
 @register("draft")
@@ -79,6 +80,7 @@ class DraftModelProposer(Proposer):
             if ks[b] > 0:
                 state.fed_before_draft = len(ids)
                 state.fed_drafts = 0
+                state.drafting = True
                 feed[b] = list(ids[state.cache.length :])  # committed tokens the draft has not seen
         prompts = {b: rows[:-1] for b, rows in feed.items() if len(rows) > _PROMPT_ROWS}
         if prompts:
@@ -132,12 +134,16 @@ class DraftModelProposer(Proposer):
         num_accepted: int,
         hidden: torch.Tensor | None = None,
     ) -> None:
-        # The cache holds the committed tokens plus the fed draft tokens (1..k-1 after a full
-        # proposal, fewer after an early stop); keep the accepted ones.
+        # After a proposal the cache holds the committed tokens plus the fed draft tokens (1..k-1
+        # after a full proposal, fewer after an early stop); keep the accepted ones. A step without
+        # a proposal fed the draft nothing: its cache (the prompt, fed at prefill) stays as it is.
+        if not state.drafting:
+            return
         keep = state.fed_before_draft + min(num_accepted, state.fed_drafts)
         state.cache.trim(state.cache.length - keep)
         state.fed_drafts = 0
         state.fed_before_draft = state.cache.length
+        state.drafting = False
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits over the target's vocabulary width (padded ids get -inf)."""

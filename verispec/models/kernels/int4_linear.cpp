@@ -42,8 +42,8 @@ constexpr int64_t kRowBlock = 8;  // activation rows per pass over a weight bloc
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in a thread's weight stream
 constexpr int64_t kColBlock = 4;  // output channels per weight block: one per 128-bit lane
 constexpr int64_t kGroupBytes = kColBlock * kGroup / 2;  // one block's group: 4 channels x kGroup nibbles
-constexpr int64_t kVectors = kGroup / 32;
-static_assert(kGroup == 64, "quantize_row sums a group as one 64-byte vector");  // 64-byte weight vectors per block and group
+constexpr int64_t kVectors = kGroup / 32;  // 64-byte weight vectors per block and group
+static_assert(kGroup == 64, "quantize_row sums a group as one 64-byte vector");
 
 // Per-row symmetric int8 quantization of x [M, K] into q [M, Kp] (zero padded), with each row's
 // scale and each group's sum of quantized activations (the offset term's factor, as a float: exact
@@ -332,6 +332,7 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
   const auto* wo = reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   if (many) {
+    // Threads split the channel tiles; a row's outputs never depend on M or on the other rows.
     const int64_t tiles = (blocks + kTileBlocks - 1) / kTileBlocks;
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       std::vector<uint8_t> W(Kp * kTile);
