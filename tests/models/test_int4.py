@@ -57,7 +57,7 @@ def test_kernel_matches_its_dequantized_weights(n, k, bias, kernel):
     assert ((weight - linear.weight).norm() / linear.weight.norm()) < 0.1
 
 
-def test_kernel_is_batch_invariant_to_the_bit():
+def test_kernel_is_batch_invariant_to_the_bit(restore_torch_threads):
     """A row's output is the same alone, in any prefix, at any position and at any thread count."""
     q = Int4Linear.from_linear(_linear(100, 200, seed=1))
     rows = torch.randn(19, 200) * torch.logspace(-3, 3, 19)[:, None]  # wildly different magnitudes
@@ -67,15 +67,11 @@ def test_kernel_is_batch_invariant_to_the_bit():
     assert torch.equal(torch.cat([q(rows[i : i + 1]) for i in range(19)]), together)
     assert torch.equal(q(rows.flip(0)), together.flip(0))
     assert torch.equal(q(rows.view(1, 19, 200))[0], together)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(q(rows), together)
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # the fixture gives the session its thread count back
+    assert torch.equal(q(rows), together)
 
 
-def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel():
+def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel(restore_torch_threads):
     """Prompt rows: each row's output is the same alone or among others (to the bit, any count,
     any position, any thread count), and within float rounding of the decode kernel's."""
     q = Int4Linear.from_linear(_linear(70, 1000, seed=2))
@@ -87,15 +83,12 @@ def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel()
             assert torch.equal(q(rows[:m]), together[:m])
             assert torch.equal(q(rows[-m:]), together[-m:])
         assert torch.equal(q(rows.flip(0)), together.flip(0))
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            assert torch.equal(q(rows), together)
-        finally:
-            torch.set_num_threads(threads)
     assert not torch.equal(together, decode)  # really the other kernel
     assert ((together - decode).norm(dim=-1) / decode.norm(dim=-1)).max() < 1e-5
     assert torch.equal(q(rows), decode)  # and the block's end restores the decode kernel
+    torch.set_num_threads(1)  # the fixture gives the session its thread count back
+    with int4.prompt_rows():
+        assert torch.equal(q(rows), together)
 
 
 def test_the_fitted_scales_never_lose_to_plain_rounding_and_clip_outliers():
