@@ -218,16 +218,12 @@ void unpack_tile(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, int64
         const __m512i lo = _mm512_permutexvar_epi32(transpose, _mm512_and_si512(bytes, low4));
         const __m512i hi = _mm512_permutexvar_epi32(
             transpose, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4));
-        uint8_t* dst_lo = W + ((g * 16 + 8 * t) * kTile + kColBlock * bi) * 4;  // quads 8t .. 8t+3
-        uint8_t* dst_hi = dst_lo + 4 * kTile * 4;                                 // quads 8t+4 .. 8t+7
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 0 * kTile * 4), _mm512_extracti32x4_epi32(lo, 0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 1 * kTile * 4), _mm512_extracti32x4_epi32(lo, 1));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 2 * kTile * 4), _mm512_extracti32x4_epi32(lo, 2));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_lo + 3 * kTile * 4), _mm512_extracti32x4_epi32(lo, 3));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 0 * kTile * 4), _mm512_extracti32x4_epi32(hi, 0));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 1 * kTile * 4), _mm512_extracti32x4_epi32(hi, 1));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 2 * kTile * 4), _mm512_extracti32x4_epi32(hi, 2));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_hi + 3 * kTile * 4), _mm512_extracti32x4_epi32(hi, 3));
+        // Lane q of lo holds quad 8t + q of this block's 4 channels, lane q of hi quad 8t + 4 + q.
+        alignas(64) uint8_t lanes[128];
+        _mm512_store_si512(lanes, lo);
+        _mm512_store_si512(lanes + 64, hi);
+        uint8_t* dst = W + ((g * 16 + 8 * t) * kTile + kColBlock * bi) * 4;
+        for (int64_t q = 0; q < 8; ++q) std::memcpy(dst + q * kTile * 4, lanes + 16 * q, 16);
       }
       for (int64_t j = 0; j < kColBlock; ++j) {
         S[g * kTile + kColBlock * bi + j] = _cvtsh_ss(sb[g * kColBlock + j]);
