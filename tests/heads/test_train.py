@@ -5,14 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from tests.heads.tiny import tiny_data, token_arrays, trained
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.train import (
+    PRECISIONS,
     TokenData,
     TrainSettings,
+    default_precision,
+    eagle_batch,
+    eagle_loss,
+    eagle_passes,
     evaluate_eagle,
     evaluate_medusa,
     fit,
@@ -76,6 +82,40 @@ def test_eagle_training_learns_and_reports_every_depth(tiny_target):
     assert after[1]["top1"] > before[1]["top1"], (before, after)
 
 
+def test_eagle_training_learns_under_bf16_autocast(tiny_target):
+    data = tiny_data(tiny_target)
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    embeddings = tiny_target.model.get_input_embeddings().weight.detach()
+    torch.manual_seed(0)
+    untrained = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    before = evaluate_eagle(untrained, vocab, data, embeddings, width=4, depths=2)
+    drafter, _, report = trained(tiny_target, "eagle", precision="bf16")
+    after = report["heldout_accuracy"]
+    assert after[0]["top1"] > before[0]["top1"] + 0.2, (before, after)
+    assert report["settings"]["precision"] == "bf16"
+    assert all(p.dtype == torch.float32 for p in drafter.parameters())  # master weights stay fp32
+
+
+def test_eagle_soft_loss_shares_one_teacher_across_passes(tiny_target):
+    """The per-batch teacher equals the per-pass teacher it replaced: same loss to float precision."""
+    data = tiny_data(tiny_target, count=6, length=20)
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    to_draft = vocab.target_to_draft(tiny_target.vocab_size)
+    embeddings = tiny_target.model.get_input_embeddings().weight.detach()
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target))
+    batch = eagle_batch(data, embeddings, data.sequences(heldout=False)[:3])
+    settings = TrainSettings(kind="eagle", unroll=3, labels="soft")
+    want = torch.zeros(())
+    for d, (out, counts) in enumerate(eagle_passes(drafter, batch, settings.unroll)):
+        teacher = vocab(batch.next_features[counts]).softmax(dim=-1)
+        ce = F.cross_entropy(vocab(out[counts]), teacher)
+        feat = F.smooth_l1_loss(out[counts], batch.next_features[counts])
+        want = want + settings.depth_decay**d * (ce + settings.feature_weight * feat)
+    got = eagle_loss(drafter, vocab, batch, to_draft, settings)
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+
+
 def test_a_draft_vocabulary_restricts_what_heads_can_propose(tiny_target):
     _, vocab_ids, report = trained(tiny_target, "medusa", draft_vocab=8, epochs=3)
     assert vocab_ids.numel() == 8 and report["draft_vocab_size"] == 8
@@ -126,4 +166,7 @@ def test_settings_are_validated():
         TrainSettings(kind="medusa", labels="mixed")
     with pytest.raises(VerispecError, match="epochs"):
         TrainSettings(kind="eagle", epochs=0)
+    with pytest.raises(VerispecError, match="precision"):
+        TrainSettings(kind="eagle", precision="fp8")
     assert TrainSettings(kind="eagle").tree == {"nodes": 16, "width": 4}
+    assert default_precision() in PRECISIONS
