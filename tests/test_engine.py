@@ -10,6 +10,7 @@ from verispec.config import DraftModelConfig, NgramConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models.hf import HFCausalLM
+from verispec.policy import PRIOR_ACCEPTANCE, AcceptancePrior, FixedDepth
 from verispec.proposers.base import build_proposer
 
 PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3]
@@ -181,3 +182,30 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_target):
     spec = SpecConfig(method="draft", num_speculative_tokens=3, draft=DraftModelConfig("other"))
     with pytest.raises(VerispecError, match="same model family"):
         build_proposer(spec, tiny_target, other)
+
+
+class _DraftOnceThenPause(FixedDepth):
+    """Drafts the full k on the first decode step only (as the adaptive policy does when one
+    rejection prices a draft model out)."""
+
+    name = "once"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def _choose(self, queries):  # type: ignore[no-untyped-def]
+        self.steps += 1
+        return [q.cap for q in queries] if self.steps == 1 else [0] * len(queries)
+
+
+def test_steps_without_any_draft_relax_the_engine_wide_prior(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft, "draft", k=4)
+    engine._policy = _DraftOnceThenPause()
+    gen = engine.generate(PROMPTS[0], max_new_tokens=30)
+    assert gen.stats.num_drafted == 4 and gen.stats.num_accepted < 4  # one draft, rejected somewhere
+    after_one = AcceptancePrior()
+    after_one.observe(4, gen.stats.num_accepted)
+    first_rejected = gen.stats.num_accepted
+    assert engine.prior.at(first_rejected) > after_one.at(first_rejected)  # drifted back since
+    assert engine.prior.at(first_rejected) <= PRIOR_ACCEPTANCE

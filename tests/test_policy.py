@@ -91,6 +91,33 @@ def test_acceptance_estimate_learns_forgets_and_starts_from_the_prior():
     assert low < seq.at(0) <= prior.at(0) + 1e-9  # drifts back, so it is tried again
 
 
+def test_one_rejection_does_not_price_a_draft_model_out_for_good():
+    """Session 6, Spec-Bench: one rejected k = 2 draft dropped the engine-wide prior to 0.53, below
+    the int4 pair's break-even; nothing drafted again, so nothing could raise it. Steps without any
+    draft now relax the prior back toward :data:`PRIOR_ACCEPTANCE`, so the pair is tried again."""
+    int4_pair = StepCostModel(
+        Curve((1, 2, 4, 8, 16), (0.0403, 0.0431, 0.0521, 0.0818, 0.1518)),
+        draft=Curve((1, 2, 4, 8, 16), (0.0211, 0.0224, 0.0273, 0.0376, 0.0641)),
+    )
+    policy = AdaptiveDepth(int4_pair)
+    prior = AcceptancePrior()
+    fresh = AcceptanceEstimate(prior)
+    assert policy.choose([DepthQuery(cap=5, survival=fresh.survival(5), context=200)])[0] > 0
+    prior.observe(drafted=2, accepted=0)
+    assert prior.at(0) < 0.55
+    priced_out = AcceptanceEstimate(prior)
+    assert policy.choose([DepthQuery(cap=5, survival=priced_out.survival(5), context=200)]) == [0]
+    steps = 0
+    while policy.choose([DepthQuery(cap=5, survival=AcceptanceEstimate(prior).survival(5), context=200)]) == [
+        0
+    ]:
+        prior.relax()
+        steps += 1
+        assert steps < 200, prior.at(0)
+    assert steps >= 5  # not at once: a draft that keeps failing is retried rarely
+    assert prior.at(0) <= PRIOR_ACCEPTANCE
+
+
 def test_a_well_predicted_sequence_is_drafted_deeper_than_it_was_ever_measured():
     """Measured only at depth 1 (0.95 accepted), a draft model costing half a target step must be
     taken past k = 1, or depth 2 would never be measured. With the fixed prior (0.8) assumed at the

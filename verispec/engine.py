@@ -339,6 +339,7 @@ class SpecEngine:
         )
         t2 = time.perf_counter()
         outputs, accepted = [], []
+        drafted_any = wanted_any = False
         lossy = self.spec.acceptance == "typical"  # Medusa's typical acceptance: LOSSY, opt-in only
         for b, (seq, draft, logits) in enumerate(zip(seqs, drafts, out.logits, strict=True)):
             if isinstance(draft, DraftTree):
@@ -357,6 +358,8 @@ class SpecEngine:
                 tokens, num_accepted, depth = result.tokens, result.num_accepted, draft.k
                 kept_rows = list(range(num_accepted + 1))
             seq.stats.observe(depth, num_accepted)
+            drafted_any = drafted_any or depth > 0
+            wanted_any = wanted_any or seq.request.num_speculative_tokens > 0
             if depth:
                 seq.acceptance.observe(depth, num_accepted)
                 self.prior.observe(depth, num_accepted)
@@ -365,6 +368,8 @@ class SpecEngine:
             accepted.append(num_accepted)
             hidden = out.hidden[b][kept_rows] if out.hidden is not None else None
             outputs.append(self._commit(seq, tokens, num_accepted, hidden))
+        if wanted_any and not drafted_any:
+            self.prior.relax()
         t3 = time.perf_counter()
         for seq in seqs:
             seq.stats.draft_seconds += t1 - t0
