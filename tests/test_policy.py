@@ -101,16 +101,17 @@ def test_one_rejection_does_not_price_a_draft_model_out_for_good():
     )
     policy = AdaptiveDepth(int4_pair)
     prior = AcceptancePrior()
-    fresh = AcceptanceEstimate(prior)
-    assert policy.choose([DepthQuery(cap=5, survival=fresh.survival(5), context=200)])[0] > 0
+
+    def new_sequence_depth() -> int:
+        survival = AcceptanceEstimate(prior).survival(5)
+        return policy.choose([DepthQuery(cap=5, survival=survival, context=200)])[0]
+
+    assert new_sequence_depth() > 0
     prior.observe(drafted=2, accepted=0)
     assert prior.at(0) < 0.55
-    priced_out = AcceptanceEstimate(prior)
-    assert policy.choose([DepthQuery(cap=5, survival=priced_out.survival(5), context=200)]) == [0]
+    assert new_sequence_depth() == 0
     steps = 0
-    while policy.choose([DepthQuery(cap=5, survival=AcceptanceEstimate(prior).survival(5), context=200)]) == [
-        0
-    ]:
+    while new_sequence_depth() == 0:
         prior.relax()
         steps += 1
         assert steps < 200, prior.at(0)
