@@ -339,7 +339,6 @@ class SpecEngine:
         )
         t2 = time.perf_counter()
         outputs, accepted = [], []
-        drafted_any = wanted_any = False
         lossy = self.spec.acceptance == "typical"  # Medusa's typical acceptance: LOSSY, opt-in only
         for b, (seq, draft, logits) in enumerate(zip(seqs, drafts, out.logits, strict=True)):
             if isinstance(draft, DraftTree):
@@ -358,8 +357,6 @@ class SpecEngine:
                 tokens, num_accepted, depth = result.tokens, result.num_accepted, draft.k
                 kept_rows = list(range(num_accepted + 1))
             seq.stats.observe(depth, num_accepted)
-            drafted_any = drafted_any or depth > 0
-            wanted_any = wanted_any or seq.request.num_speculative_tokens > 0
             if depth:
                 seq.acceptance.observe(depth, num_accepted)
                 self.prior.observe(depth, num_accepted)
@@ -368,15 +365,16 @@ class SpecEngine:
             accepted.append(num_accepted)
             hidden = out.hidden[b][kept_rows] if out.hidden is not None else None
             outputs.append(self._commit(seq, tokens, num_accepted, hidden))
-        if wanted_any and not drafted_any:
-            self.prior.relax()
+        depths = [_depth(d) for d in drafts]
+        if not any(depths) and any(s.request.num_speculative_tokens for s in seqs):
+            self.prior.relax()  # nothing drafted this step, though speculation was wanted
         t3 = time.perf_counter()
         for seq in seqs:
             seq.stats.draft_seconds += t1 - t0
             seq.stats.verify_seconds += t3 - t1
         tokens = sum(len(r) for r in rows)
         key_queries = sum(len(r) * start for r, start in zip(rows, starts, strict=True))
-        self._report(seqs, [_depth(d) for d in drafts], accepted, t1 - t0, t2 - t1, tokens, key_queries)
+        self._report(seqs, depths, accepted, t1 - t0, t2 - t1, tokens, key_queries)
         return outputs
 
     @property
