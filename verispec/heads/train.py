@@ -396,9 +396,9 @@ def fit(
     checkpoint_every_s: float = 120.0,
 ) -> dict[str, Any]:
     """AdamW, 3% warm-up then cosine decay to a tenth, under bf16 autocast where ``settings`` says;
-    ``batches(epoch)`` must be deterministic, so a
-    resumed run skips exactly the batches it already took. Returns loss and step statistics, with
-    wall seconds (which include any time the process was stopped) and process CPU seconds."""
+    ``batches(epoch)`` must be deterministic, so a resumed run skips exactly the batches it already
+    took. Returns loss and step statistics, with wall seconds (which include any time the process
+    was stopped) and process CPU seconds."""
     from tqdm import tqdm
 
     params = [p for p in module.parameters() if p.requires_grad]

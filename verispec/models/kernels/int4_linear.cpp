@@ -291,7 +291,7 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
                        int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear: x must be float32");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2,
-              "int4_linear: weight must be uint8 [N / 4, groups * 256]");
+              "int4_linear: weight must be uint8 [N / 4, groups * 128]");
   const int64_t N = out_features;
   const int64_t blocks = weight.size(0);
   TORCH_CHECK(blocks == (N + kColBlock - 1) / kColBlock, "int4_linear: ", blocks, " blocks for ", N, " outputs");
