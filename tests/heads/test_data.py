@@ -14,9 +14,11 @@ import torch
 from tests.conftest import needs_smollm2, tiny_llama
 from verispec.errors import VerispecError
 from verispec.heads.data import (
+    Cursor,
     DataSpec,
     Example,
     HiddenStore,
+    build_examples,
     chat_example,
     code_example,
     iter_sharegpt,
@@ -106,38 +108,126 @@ def test_data_spec_is_validated():
     assert DataSpec().key() == DataSpec().key() != DataSpec(seed=1).key()
 
 
+def examples_of(lengths: list[int]) -> list[Example]:
+    """Sequences of the given lengths over the tiny vocabulary, the first token unlabelled."""
+    return [
+        Example([(7 * i + t) % 90 + 1 for t in range(n)], [t > 0 for t in range(n)], "stdlib")
+        for i, n in enumerate(lengths)
+    ]
+
+
 def test_hidden_store_fills_resumes_and_matches_the_target(tmp_path, tiny_target):
-    examples = [Example([1, 2, 3, 4, 5], [False, True, True, True, True]), Example([7, 8, 9], [True] * 3)] * 3
+    examples = examples_of([5, 3] * 3 + [100] * 10)
     store = HiddenStore(tmp_path)
-    store.create(examples, identify(tiny_target), DataSpec(heldout_every=3), tiny_target.hidden_size)
-    assert not store.complete and store.meta["tokens"] == 24
+    store.extend(examples, Cursor(stdlib=16), identify(tiny_target), DataSpec(heldout_every=3), 64)
+    assert not store.complete and store.tokens == 1024
     store.fill(tiny_target, progress=False)
     hidden, argmax = store.array("hidden"), store.array("argmax")
-    h, top = target_states(tiny_target, [7, 8, 9])
+    h, top = target_states(tiny_target, examples[1].ids)
     torch.testing.assert_close(
         torch.from_numpy(np.asarray(hidden[5:8], dtype=np.float32)), h, atol=1e-2, rtol=1e-2
     )
     assert argmax[5:8].tolist() == top.tolist()
-    assert store.array("heldout").tolist() == [False, False, True, False, False, True]
+    assert store.array("heldout")[:6].tolist() == [False, False, True, False, False, True]
     # An interrupted run: progress says two sequences are done; the rest is recomputed on reopening.
     store.meta.update(done=2, complete=False)
     store._write_meta()
     writable = store.array("hidden", "r+")
     writable[8:] = 0
     writable.flush()
-    reopened = prepare_store(tiny_target, identify(tiny_target), DataSpec(), tmp_path, progress=False)
+    spec = DataSpec(max_tokens=1000, heldout_every=3)
+    reopened = prepare_store(tiny_target, identify(tiny_target), spec, tmp_path, progress=False)
     assert reopened.complete
     torch.testing.assert_close(
         torch.from_numpy(np.asarray(reopened.array("hidden")[13:16], dtype=np.float32)),
-        h,
+        target_states(tiny_target, examples[3].ids)[0],
         atol=1e-2,
         rtol=1e-2,
     )
 
 
+def test_a_store_grows_without_recomputing_what_it_holds(tmp_path, tiny_target):
+    spec = DataSpec(heldout_every=3)
+    store = HiddenStore(tmp_path / "store")
+    store.extend(
+        examples_of([6, 4, 5]), Cursor(stdlib=3, tokens={"stdlib": 15}), identify(tiny_target), spec, 64
+    )
+    store.fill(tiny_target, progress=False)
+    marked = store.array("hidden", "r+")
+    marked[:] = 7.0  # were the cached sequences recomputed, this mark would be gone
+    marked.flush()
+    del marked
+    more = examples_of([9, 8, 3, 4])
+    store.extend(more, Cursor(stdlib=7, tokens={"stdlib": 39}), identify(tiny_target), spec, 64)
+    assert not store.complete and store.meta["done"] == 3 and store.tokens == 39
+    assert HiddenStore.open(store.folder).meta == store.meta  # swapped in on disk, no .next left over
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    store.fill(tiny_target, progress=False)
+    hidden = np.asarray(store.array("hidden"), dtype=np.float32)
+    assert (hidden[:15] == 7.0).all() and not (hidden[15:] == 7.0).any()
+    h, _ = target_states(tiny_target, more[1].ids)
+    torch.testing.assert_close(torch.from_numpy(hidden[24:32]), h, atol=1e-2, rtol=1e-2)
+    assert store.array("heldout").tolist() == [False, False, True, False, False, True, False]
+    assert store.cursor == Cursor(stdlib=7, tokens={"stdlib": 39})
+    # --max-tokens N uses the first sequences covering N tokens, whatever else the store holds.
+    assert store.sequences_for(15) == 3 and store.sequences_for(16) == 4 and store.sequences_for(10**6) == 7
+    part = store.arrays(16)
+    assert part["starts"].tolist() == [0, 6, 10, 15, 24] and len(part["hidden"]) == 24
+    assert store.summary(16) == {
+        "sequences": 4, "tokens": 24, "tokens_by_source": {"sharegpt": 0, "stdlib": 24}, "labelled_tokens": 20
+    }  # fmt: skip
+
+
+class ModTokenizer(FakeTokenizer):
+    """FakeTokenizer with ids folded into the tiny model's vocabulary."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 90 + 1 for c in text]
+
+
+def test_the_stream_is_the_same_however_the_store_was_grown(tmp_path, monkeypatch):
+    """Both sources, interleaved by their share of tokens: grown in three steps or built at once, a
+    store holds the same sequences, so cached runs and fresh ones train on the same data."""
+    conversations = [
+        record(("human", f"question {i} " * (i % 5 + 1)), ("gpt", f"answer {i} " * 9)) for i in range(80)
+    ]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(conversations))
+    monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: path)
+    spec = DataSpec(max_tokens=6000, max_seq_len=200, code_fraction=0.3)
+    at_once, cursor = build_examples(ModTokenizer(), spec, 6000, progress=False)
+    steps: list[Example] = []
+    grown = Cursor()
+    for need in (1000, 2000, 3000):
+        got, grown = build_examples(ModTokenizer(), spec, need, grown, progress=False)
+        assert sum(len(e.ids) for e in got) >= need
+        steps += got
+    assert [e.ids for e in steps[: len(at_once)]] == [e.ids for e in at_once]
+    code = sum(len(e.ids) for e in at_once if e.source == "stdlib")
+    assert 0.25 < code / sum(len(e.ids) for e in at_once) < 0.35
+    assert cursor.sharegpt > 0 and cursor.stdlib > 0 and sum(cursor.tokens.values()) >= 6000
+    # A source that runs out leaves the rest to the other one.
+    few, end = build_examples(ModTokenizer(), spec, 10**6, Cursor(sharegpt=78), progress=False)
+    assert end.sharegpt == 80 and sum(e.source == "sharegpt" for e in few) == 2
+
+
+def test_prepare_store_extends_the_cache_it_finds(tmp_path, tiny_target, monkeypatch):
+    monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
+    spec = DataSpec(max_tokens=1000, sources=("stdlib",), max_seq_len=128)
+    small = prepare_store(tiny_target, identify(tiny_target), spec, tmp_path / "a", progress=False)
+    assert small.complete and 1000 <= small.tokens < 1128
+    bigger = DataSpec(max_tokens=2000, sources=("stdlib",), max_seq_len=128)
+    grown = prepare_store(tiny_target, identify(tiny_target), bigger, tmp_path / "a", progress=False)
+    fresh = prepare_store(tiny_target, identify(tiny_target), bigger, tmp_path / "b", progress=False)
+    assert grown.complete and grown.tokens == fresh.tokens >= 2000
+    for name in ("tokens", "starts", "heldout", "labelled", "argmax"):
+        assert np.array_equal(grown.array(name), fresh.array(name)), name
+    assert spec.key() == bigger.key()  # one cache folder, whatever --max-tokens asks for
+
+
 def test_a_cache_of_another_model_is_refused(tmp_path, tiny_target):
     store = HiddenStore(tmp_path)
-    store.create([Example([1, 2, 3], [True] * 3)], identify(tiny_target), DataSpec(), 64)
+    store.extend(examples_of([3]), Cursor(), identify(tiny_target), DataSpec(), 64)
     other = HFCausalLM(tiny_llama(0, vocab=50), name="other")
     with pytest.raises(VerispecError, match="another model"):
         prepare_store(other, identify(other), DataSpec(), tmp_path, progress=False)

@@ -10,6 +10,8 @@ from torch.nn import functional as F
 from tests.heads.tiny import tiny_data, token_arrays, trained
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
+from verispec.heads.identity import identify
+from verispec.heads.io import save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.train import (
     PRECISIONS,
@@ -25,6 +27,8 @@ from verispec.heads.train import (
     length_batches,
     medusa_loss,
     medusa_positions,
+    train_heads,
+    warm_start,
 )
 from verispec.heads.vocab import VocabHead
 
@@ -139,6 +143,29 @@ def test_training_resumes_from_its_checkpoint(tmp_path, tiny_target):
     assert third["steps"] == 2 * per_epoch
     h = data.features(j[:8])
     assert not torch.allclose(resumed(h), MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))(h))
+
+
+def test_training_can_go_on_from_saved_heads(tmp_path, tiny_target):
+    """--init-from: a run starts from saved heads (here with a learning rate too small to move them,
+    so it keeps their accuracy, where the same run from scratch has learnt nothing)."""
+    drafter, vocab_ids, report = trained(tiny_target, "eagle")
+    save_heads(tmp_path / "eagle", "eagle", drafter, identify(tiny_target), vocab_ids)
+    still = dict(kind="eagle", unroll=2, draft_vocab=0, epochs=1, batch_tokens=256, lr=1e-12)
+    data = tiny_data(tiny_target)
+    _, _, kept = train_heads(
+        tiny_target, data, TrainSettings(**still, init_from=str(tmp_path / "eagle")), progress=False
+    )
+    _, _, cold = train_heads(tiny_target, data, TrainSettings(**still), progress=False)
+    first = [row["top1"] for row in report["heldout_accuracy"]]
+    assert [row["top1"] for row in kept["heldout_accuracy"]] == pytest.approx(first, abs=0.03)
+    assert cold["heldout_accuracy"][0]["top1"] < first[0] - 0.2
+    # Other sizes or another kind are refused with a clear error.
+    narrow = EagleDrafter(EagleConfig.for_target(tiny_target, 32))
+    with pytest.raises(VerispecError, match="differ from this run"):
+        warm_start(narrow, TrainSettings(kind="eagle", init_from=str(tmp_path / "eagle")), tiny_target)
+    medusa = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))
+    with pytest.raises(VerispecError, match="not medusa heads"):
+        warm_start(medusa, TrainSettings(kind="medusa", init_from=str(tmp_path / "eagle")), tiny_target)
 
 
 def test_length_batches_group_similar_lengths():

@@ -13,7 +13,8 @@ Sources (never the evaluation prompts of ``shared/data``):
 :class:`HiddenStore` runs the target once over every sequence and keeps, per token: its id, whether
 it is labelled, the target's hidden state (float16) and the target's argmax next token. Training
 then never runs the target again, and the cache is shared by Medusa and EAGLE runs with the same
-data settings. It is written incrementally and resumes after an interruption.
+data settings. It is written incrementally, resumes after an interruption, and grows: asking for more
+tokens than it holds computes only the stream's next sequences.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import hashlib
 import importlib.util
 import json
 import random
+import shutil
+import sys
 import sysconfig
 import time
 from collections.abc import Iterator
@@ -44,7 +47,7 @@ class DataSpec:
     """Which text, how much, and how it is cut; its hash keys the hidden-state cache."""
 
     max_tokens: int = 200_000
-    """Total tokens over all sequences (held-out ones included)."""
+    """Tokens to use: the stream's first sequences covering this many (held-out ones included)."""
     sources: tuple[str, ...] = SOURCES
     code_fraction: float = 0.3
     """Share of ``max_tokens`` taken from ``stdlib`` when both sources are used."""
@@ -69,7 +72,9 @@ class DataSpec:
         return asdict(self)
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+        """The cache folder's key: everything but ``max_tokens`` (a store grows to cover more)."""
+        fields = {k: v for k, v in self.to_dict().items() if k != "max_tokens"}
+        return hashlib.sha256(json.dumps({**fields, "stream": 2}, sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -201,45 +206,84 @@ def code_example(tokenizer: Any, text: str, max_len: int, rng: random.Random) ->
     return Example(ids, [True] * len(ids), "stdlib")
 
 
-def build_examples(tokenizer: Any, spec: DataSpec, *, progress: bool = True) -> list[Example]:
-    """Tokenized sequences filling ``spec.max_tokens``, sources interleaved in a seeded order."""
-    code_share = spec.code_fraction if set(spec.sources) == set(SOURCES) else float("stdlib" in spec.sources)
-    budgets = {"stdlib": int(spec.max_tokens * code_share)}
-    budgets["sharegpt"] = spec.max_tokens - budgets["stdlib"]
-    examples: list[Example] = []
-    rng = random.Random(spec.seed)
+@dataclass
+class Cursor:
+    """Where a store's sequences stop in the example stream, so that it can be extended."""
+
+    sharegpt: int = 0
+    """Conversations of the seeded order consumed (used or skipped)."""
+    stdlib: int = 0
+    """Files of the seeded order consumed."""
+    tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens taken from each source so far: the interleaving keeps ``code_fraction`` over the whole
+    stream, however it was extended."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _source_shares(spec: DataSpec) -> dict[str, float]:
+    if set(spec.sources) == set(SOURCES):
+        return {"sharegpt": 1.0 - spec.code_fraction, "stdlib": spec.code_fraction}
+    return {s: 1.0 for s in spec.sources}
+
+
+def _conversation_examples(tokenizer: Any, spec: DataSpec, start: int) -> Iterator[tuple[Example, int]]:
+    conversations = list(iter_sharegpt(sharegpt_file()))
+    random.Random(spec.seed).shuffle(conversations)
+    for i in range(start, len(conversations)):
+        example = chat_example(tokenizer, conversations[i], spec.max_seq_len)
+        if example is not None and len(example.ids) >= 8:
+            yield example, i + 1
+
+
+def _code_examples(tokenizer: Any, spec: DataSpec, start: int) -> Iterator[tuple[Example, int]]:
+    for i, (name, text) in enumerate(iter_stdlib_files(spec.seed)):
+        if i < start:
+            continue
+        example = code_example(tokenizer, text, spec.max_seq_len, random.Random(f"{spec.seed}:{name}"))
+        if len(example.ids) >= 8:
+            yield example, i + 1
+
+
+def build_examples(
+    tokenizer: Any, spec: DataSpec, need: int, cursor: Cursor | None = None, *, progress: bool = True
+) -> tuple[list[Example], Cursor]:
+    """At least ``need`` more tokens of the example stream after ``cursor`` (or fewer where the
+    sources run out), and the cursor after them.
+
+    The stream does not depend on how much is asked for: whole sequences in a seeded order, the next
+    one always from the source furthest below its share of tokens. So a store extended step by step
+    holds the same sequences as one built at once, and ``--max-tokens N`` trains on the stream's
+    first sequences covering N tokens, whatever else the cache holds.
+    """
     from tqdm import tqdm
 
-    bar = tqdm(total=spec.max_tokens, unit="tok", desc="tokenizing", disable=not progress)
-    if "sharegpt" in spec.sources and budgets["sharegpt"] > 0:
-        conversations = list(iter_sharegpt(sharegpt_file()))
-        random.Random(spec.seed).shuffle(conversations)
-        used = 0
-        for messages in conversations:
-            example = chat_example(tokenizer, messages, spec.max_seq_len)
-            if example is None or len(example.ids) < 8:
-                continue
-            example.ids = example.ids[: budgets["sharegpt"] - used]
-            example.labelled = example.labelled[: len(example.ids)]
-            examples.append(example)
-            used += len(example.ids)
-            bar.update(len(example.ids))
-            if used >= budgets["sharegpt"] - 8:
-                break
-    if "stdlib" in spec.sources and budgets["stdlib"] > 0:
-        used = 0
-        for _, text in iter_stdlib_files(spec.seed):
-            if budgets["stdlib"] - used < 8:
-                break
-            example = code_example(tokenizer, text, min(spec.max_seq_len, budgets["stdlib"] - used), rng)
-            if len(example.ids) < 8:
-                continue
-            examples.append(example)
-            used += len(example.ids)
-            bar.update(len(example.ids))
+    cursor = Cursor(**asdict(cursor)) if cursor is not None else Cursor()
+    cursor.tokens = dict(cursor.tokens)
+    shares = {s: share for s, share in _source_shares(spec).items() if share > 0}
+    streams = {
+        "sharegpt": lambda: _conversation_examples(tokenizer, spec, cursor.sharegpt),
+        "stdlib": lambda: _code_examples(tokenizer, spec, cursor.stdlib),
+    }
+    live = {s: streams[s]() for s in shares}
+    examples: list[Example] = []
+    added = 0
+    bar = tqdm(total=need, unit="tok", desc="tokenizing", disable=not progress)
+    while added < need and live:
+        source = min(live, key=lambda s: cursor.tokens.get(s, 0) / shares[s])
+        item = next(live[source], None)
+        if item is None:
+            del live[source]
+            continue
+        example, consumed = item
+        setattr(cursor, source, consumed)
+        cursor.tokens[source] = cursor.tokens.get(source, 0) + len(example.ids)
+        examples.append(example)
+        added += len(example.ids)
+        bar.update(len(example.ids))
     bar.close()
-    rng.shuffle(examples)
-    return examples
+    return examples, cursor
 
 
 # ----------------------------------------------------------------------------- hidden-state cache
@@ -251,61 +295,145 @@ class HiddenStore:
 
     ``tokens`` int32 [T], ``labelled`` bool [T], ``hidden`` float16 [T, H] (the target's last hidden
     state after each token), ``argmax`` int32 [T] (the target's greedy next token after each token),
-    ``starts`` int64 [S + 1] (sequence boundaries), ``heldout`` bool [S].
+    ``starts`` int64 [S + 1] (sequence boundaries), ``heldout`` bool [S], ``source`` uint8 [S] (index
+    into :data:`SOURCES`).
+
+    The sequences are a prefix of the example stream (:func:`build_examples`); :meth:`extend` appends
+    the next ones, so more data never recomputes the hidden states already cached.
     """
 
     folder: Path
     meta: dict[str, Any] = field(default_factory=dict)
 
-    FILES = ("tokens", "labelled", "hidden", "argmax", "starts", "heldout")
 
     @property
     def complete(self) -> bool:
         return bool(self.meta.get("complete"))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.meta.get("tokens", 0))
+
+    @property
+    def cursor(self) -> Cursor:
+        return Cursor(**self.meta["cursor"]) if "cursor" in self.meta else Cursor()
 
     def array(self, name: str, mode: str = "r") -> np.ndarray:
         return np.load(self.folder / f"{name}.npy", mmap_mode=mode)  # type: ignore[arg-type]
 
     @classmethod
     def open(cls, folder: Path) -> HiddenStore:
+        old = folder.with_name(folder.name + ".old")
+        if old.is_dir() and not folder.exists():
+            old.rename(folder)  # an extension was interrupted between its two renames
         meta_path = folder / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         return cls(folder, meta)
 
-    def create(
-        self, examples: list[Example], identity: TargetIdentity, spec: DataSpec, hidden_size: int
+    def extend(
+        self,
+        examples: list[Example],
+        cursor: Cursor,
+        identity: TargetIdentity,
+        spec: DataSpec,
+        hidden_size: int,
     ) -> None:
-        """Lay out the arrays for ``examples`` (hidden states still to be computed)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Append ``examples`` (hidden states still to be computed; :meth:`fill` does that).
+
+        The grown arrays are written beside the store with the cached part copied in, then swapped in
+        by renaming folders, so an interruption leaves the old store or the new one, never a mix.
+        """
+        if not examples:
+            return
+        before = self.meta.get("sequences", 0) if self.meta else 0
+        old_total = self.tokens if self.meta else 0
         lengths = [len(e.ids) for e in examples]
-        starts = np.zeros(len(examples) + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(lengths)
+        starts = np.zeros(before + len(examples) + 1, dtype=np.int64)
+        if before:
+            starts[: before + 1] = self.array("starts")
+        starts[before + 1 :] = old_total + np.cumsum(lengths)
         total = int(starts[-1])
-        np.save(self.folder / "starts.npy", starts)
-        np.save(self.folder / "tokens.npy", np.array([t for e in examples for t in e.ids], dtype=np.int32))
-        np.save(self.folder / "labelled.npy", np.array([x for e in examples for x in e.labelled], dtype=bool))
-        heldout = np.arange(len(examples)) % spec.heldout_every == spec.heldout_every - 1
-        np.save(self.folder / "heldout.npy", heldout)
-        layout = (("hidden", (total, hidden_size), np.float16), ("argmax", (total,), np.int32))
-        for name, shape, dtype in layout:
-            path = self.folder / f"{name}.npy"
-            np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape).flush()
-        sources: dict[str, int] = {}
-        for e in examples:
-            sources[e.source] = sources.get(e.source, 0) + len(e.ids)
-        self.meta = {
+        index = np.arange(len(starts) - 1)
+        new = {
+            "starts": starts,
+            "heldout": index % spec.heldout_every == spec.heldout_every - 1,
+            "tokens": np.array([t for e in examples for t in e.ids], dtype=np.int32),
+            "labelled": np.array([x for e in examples for x in e.labelled], dtype=bool),
+            "source": np.array([SOURCES.index(e.source) for e in examples], dtype=np.uint8),
+        }
+        grown = self.folder.with_name(self.folder.name + ".next")
+        if grown.exists():
+            shutil.rmtree(grown)
+        grown.mkdir(parents=True)
+        for name in ("tokens", "labelled", "source"):
+            old = np.asarray(self.array(name)) if before else np.zeros(0, dtype=new[name].dtype)
+            np.save(grown / f"{name}.npy", np.concatenate([old, new[name]]))
+        np.save(grown / "starts.npy", starts)
+        np.save(grown / "heldout.npy", new["heldout"])
+        for name, shape, dtype in (
+            ("hidden", (total, hidden_size), np.float16),
+            ("argmax", (total,), np.int32),
+        ):
+            out = np.lib.format.open_memmap(grown / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
+            if before:
+                cached = self.array(name)
+                for a in range(0, old_total, 65536):
+                    out[a : min(a + 65536, old_total)] = cached[a : min(a + 65536, old_total)]
+            out.flush()
+            del out
+        meta = self.meta or {
             "target": identity.to_dict(),
-            "data": spec.to_dict(),
-            "sequences": len(examples),
-            "tokens": total,
-            "tokens_by_source": sources,
-            "labelled_tokens": int(sum(sum(e.labelled) for e in examples)),
+            "data": {k: v for k, v in spec.to_dict().items() if k != "max_tokens"},
             "done": 0,
-            "complete": False,
             "seconds": 0.0,
             "cpu_seconds": 0.0,
         }
-        self._write_meta()
+        by_source = dict(meta.get("tokens_by_source", {}))
+        for e in examples:
+            by_source[e.source] = by_source.get(e.source, 0) + len(e.ids)
+        meta.update(
+            sequences=len(starts) - 1,
+            tokens=total,
+            tokens_by_source=by_source,
+            labelled_tokens=int(meta.get("labelled_tokens", 0)) + int(new["labelled"].sum()),
+            cursor=cursor.to_dict(),
+            complete=False,
+        )
+        text = json.dumps(meta, indent=1) + "\n"
+        (grown / "meta.json").write_text(text)
+        old_folder = self.folder.with_name(self.folder.name + ".old")
+        if self.folder.exists():
+            self.folder.rename(old_folder)
+        grown.rename(self.folder)
+        if old_folder.exists():
+            shutil.rmtree(old_folder)
+        self.meta = json.loads(text)
+
+    def sequences_for(self, max_tokens: int) -> int:
+        """How many of the first sequences cover ``max_tokens`` tokens (all, if the store is short)."""
+        starts = self.array("starts")
+        return min(len(starts) - 1, int(np.searchsorted(starts, max_tokens, side="left")))
+
+    def arrays(self, max_tokens: int | None = None) -> dict[str, np.ndarray]:
+        """The arrays of the first sequences covering ``max_tokens`` (all when None), memory-mapped."""
+        count = len(self.array("starts")) - 1 if max_tokens is None else self.sequences_for(max_tokens)
+        starts = self.array("starts")[: count + 1]
+        end = int(starts[-1])
+        out = {name: self.array(name)[:end] for name in ("tokens", "labelled", "hidden", "argmax")}
+        return {**out, "starts": starts, "heldout": self.array("heldout")[:count]}
+
+    def summary(self, max_tokens: int | None = None) -> dict[str, Any]:
+        """Sequence and token counts of the data :meth:`arrays` returns for ``max_tokens``."""
+        arrays = self.arrays(max_tokens)
+        count = len(arrays["starts"]) - 1
+        lengths = np.diff(np.asarray(arrays["starts"]))
+        sources = np.asarray(self.array("source")[:count])
+        return {
+            "sequences": count,
+            "tokens": int(arrays["starts"][-1]),
+            "tokens_by_source": {s: int(lengths[sources == i].sum()) for i, s in enumerate(SOURCES)},
+            "labelled_tokens": int(np.asarray(arrays["labelled"]).sum()),
+        }
 
     def _write_meta(self) -> None:
         tmp = self.folder / "meta.json.tmp"
@@ -367,7 +495,8 @@ def prepare_store(
     *,
     progress: bool = True,
 ) -> HiddenStore:
-    """The complete hidden-state cache of ``spec`` for ``target``: reused, resumed or built."""
+    """A complete hidden-state cache covering ``spec.max_tokens`` for ``target``: reused, resumed,
+    extended with the stream's next sequences, or built."""
     if cache_dir is None:
         from verispec.models.registry import cache_root
 
@@ -375,11 +504,18 @@ def prepare_store(
     store = HiddenStore.open(cache_dir)
     if store.meta and store.meta.get("target", {}).get("config_sha256") != identity.config_sha256:
         raise VerispecError(f"{cache_dir} holds hidden states of another model; pass another --cache-dir")
-    if not store.meta:
+    if store.tokens < spec.max_tokens:
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer; heads need text data")
-        examples = build_examples(target.tokenizer, spec, progress=progress)
-        store.create(examples, identity, spec, target.hidden_size)
+        examples, cursor = build_examples(
+            target.tokenizer, spec, spec.max_tokens - store.tokens, store.cursor, progress=progress
+        )
+        if not examples and not store.meta:
+            raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")
+        if examples:
+            store.extend(examples, cursor, identity, spec, target.hidden_size)
+        if store.tokens < spec.max_tokens:
+            print(f"the data sources ran out at {store.tokens} of {spec.max_tokens} tokens", file=sys.stderr)
     if not store.complete:
         store.fill(target, progress=progress)
     return store

