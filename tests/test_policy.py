@@ -298,6 +298,41 @@ def test_a_draft_model_far_behind_must_pay_to_catch_up_first():
     assert costs.draft_catch_up_seconds(2) == 0.0
 
 
+def test_a_catch_up_is_won_back_only_over_the_tokens_left():
+    """The same 1500-token backlog and good acceptance: worth catching up on with 400 tokens left,
+    not with 8; the one-time cost is priced with the measured prefill curve, spread over the steps
+    the remaining tokens take at the sequence's expected accepted length."""
+    costs = StepCostModel(
+        Curve((1, 64), (0.100, 0.110)),
+        draft=Curve((1, 16), (0.020, 0.060)),
+        draft_prefill=Curve((1, 16, 512), (0.020, 0.030, 0.800)),
+    )
+    good = [0.8 ** (j + 1) for j in range(4)]
+    policy = AdaptiveDepth(costs)
+    assert policy.choose([DepthQuery(cap=4, survival=good, backlog=1500, remaining=400)])[0] > 0
+    assert policy.choose([DepthQuery(cap=4, survival=good, backlog=1500, remaining=8)]) == [0]
+    caught_up = DepthQuery(cap=4, survival=good, backlog=2, remaining=8)
+    assert policy.choose([caught_up])[0] > 0
+    query = DepthQuery(cap=2, survival=[0.8, 0.64, 0.5], remaining=244)
+    assert query.catch_up_horizon() == pytest.approx(100.0)  # 244 tokens at 2.44 per step
+    once = (0.800 + (1500 - 512) * 0.770 / 496) - (0.020 + 0.010 / 15)  # prefill(1500) - prefill(2)
+    assert costs.draft_catch_up_seconds(1500, horizon=10) == pytest.approx(once / 10)
+    rows_priced = StepCostModel(costs.target, draft=costs.draft)  # no prefill curve: one-token rows
+    assert rows_priced.draft_catch_up_seconds(1500, 10) > costs.draft_catch_up_seconds(1500, 10)
+
+
+def test_the_draft_prefill_curve_is_measured_and_cached(tiny_target, tiny_draft, tmp_path):
+    from verispec.costs import PREFILL_TOKENS, load_or_measure
+
+    measured = load_or_measure(tiny_target, tiny_draft, tmp_path, repeats=1)
+    assert measured.draft_prefill is not None and measured.draft_prefill.xs == PREFILL_TOKENS
+    assert measured.draft_prefill(512) >= measured.draft_prefill(1) > 0
+    (cached,) = tmp_path.iterdir()
+    assert load_or_measure(tiny_target, tiny_draft, tmp_path).draft_prefill == measured.draft_prefill
+    assert cached.name.endswith("-v2.json")  # files cached before the prefill curve are measured again
+    assert load_or_measure(tiny_target, None, tmp_path / "plain", repeats=1).draft_prefill is None
+
+
 def test_tree_calibration_learns_how_confident_the_drafter_really_is():
     calibration = TreeCalibration()
     assert calibration.factor == 1.0 and calibration.gains([0.0, -0.7]) == pytest.approx(

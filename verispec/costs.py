@@ -7,7 +7,10 @@ Two curves, measured on this machine with this model and these settings:
   price per (query token x cached key): attention grows with the context, and on long prompts an
   extra draft token costs far more than the short-context curve says;
 - draft: seconds of one draft-model step against the number of rows drafting in it (prompt
-  lookup has no such cost).
+  lookup has no such cost);
+- draft prefill: seconds of one draft-model pass over n tokens of one sequence, keeping no logits:
+  what catching a draft model up on a prompt (or on tokens it sat out) costs. Pricing that with the
+  one-token-rows curve overstated it about twice.
 
 Measuring takes a few seconds for a 1.5B model, so a curve is cached on disk under the model's
 identity and the thread count. While serving, every step's real time corrects the curve's scale
@@ -30,9 +33,12 @@ from verispec.models.base import CausalLM
 
 TARGET_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 DRAFT_ROWS = (1, 2, 4, 8, 16)
+PREFILL_TOKENS = (1, 16, 128, 512)
 _ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens, as verify steps are
 CATCH_UP_HORIZON = 16
-"""Steps a draft model's catch-up cost is spread over (see :meth:`StepCostModel.draft_catch_up_seconds`)."""
+"""Steps a draft model's catch-up cost is spread over when the request's remaining length is not
+known (see :meth:`StepCostModel.draft_catch_up_seconds`)."""
+_COSTS_VERSION = 2  # bumped when the cached cost model gains a curve: older files are measured again
 
 
 @dataclass(frozen=True)
@@ -68,10 +74,17 @@ class StepCostModel:
     """Predicted seconds of a step's target forward and draft steps, corrected by observed steps."""
 
     def __init__(
-        self, target: Curve, draft: Curve | None = None, per_key: float = 0.0, correction: float = 0.1
+        self,
+        target: Curve,
+        draft: Curve | None = None,
+        per_key: float = 0.0,
+        correction: float = 0.1,
+        draft_prefill: Curve | None = None,
     ) -> None:
         self.target = target
         self.draft = draft
+        self.draft_prefill = draft_prefill
+        """One draft pass over n tokens of one sequence (None: priced with ``draft`` instead)."""
         self.per_key = per_key
         """Seconds per query token per cached key it attends to (beyond the curve's short context)."""
         self.correction = correction
@@ -88,15 +101,22 @@ class StepCostModel:
             return 0.0
         return self.draft(rows) * self.draft_scale
 
-    def draft_catch_up_seconds(self, backlog: int) -> float:
+    def draft_catch_up_seconds(self, backlog: int, horizon: float = CATCH_UP_HORIZON) -> float:
         """Extra time for a draft model to feed ``backlog`` committed tokens it has not seen, beyond
-        the one or two any first draft step feeds anyway (priced like that many one-token rows)."""
+        the one or two any first draft step feeds anyway, per step of the ``horizon`` it pays for.
+
+        A one-time cost: once caught up, the sequence can speculate on every step it has left, so
+        the cost is spread over those (charging it all to one step would keep a draft model from
+        ever starting on a long prompt; spreading it over a fixed 16 steps let it start on requests
+        with too few tokens left to win it back).
+        """
         if self.draft is None or backlog <= 2:
             return 0.0
-        # A one-time cost: once caught up, the sequence speculates for many steps, so it is spread
-        # over CATCH_UP_HORIZON steps (charging it all to one step would keep a new sequence, whose
-        # draft has not seen its prompt, from ever starting).
-        return (self.draft(backlog) - self.draft(2)) * self.draft_scale / CATCH_UP_HORIZON
+        if self.draft_prefill is not None:
+            once = self.draft_prefill(backlog) - self.draft_prefill(2)
+        else:
+            once = self.draft(backlog) - self.draft(2)
+        return once * self.draft_scale / max(1.0, horizon)
 
     def observe_target(self, tokens: int, seconds: float, key_queries: float = 0.0) -> None:
         predicted = self.target(tokens) + self.per_key * key_queries
@@ -112,6 +132,7 @@ class StepCostModel:
         return {
             "target": asdict(self.target),
             "draft": asdict(self.draft) if self.draft else None,
+            "draft_prefill": asdict(self.draft_prefill) if self.draft_prefill else None,
             "per_key": self.per_key,
             "target_scale": self.target_scale,
             "draft_scale": self.draft_scale,
@@ -138,6 +159,24 @@ def measure_per_key(model: CausalLM, repeats: int = 5, tokens: int = 8, extra: i
 def measure_draft(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
     """Least seconds of one draft step (one token per row) for each row count."""
     return Curve(DRAFT_ROWS, tuple(_time_rows(model, [1] * r, context, repeats) for r in DRAFT_ROWS))
+
+
+def measure_prefill(model: CausalLM, repeats: int = 3) -> Curve:
+    """Least seconds of one pass over n prompt tokens of one sequence (no logits kept), from an
+    empty cache: the way a draft model catches up."""
+    generator = torch.Generator().manual_seed(0)
+    seconds = []
+    for n in PREFILL_TOKENS:
+        tokens = torch.randint(0, model.vocab_size, (n,), generator=generator).tolist()
+        times = []
+        for i in range(repeats + 1):  # the first is a warm-up
+            cache = model.new_cache()
+            started = time.perf_counter()
+            model.forward_batch([cache], [tokens], logits_to_keep=[0])
+            if i:
+                times.append(time.perf_counter() - started)
+        seconds.append(min(times))
+    return Curve(PREFILL_TOKENS, tuple(seconds))
 
 
 def _rows_for(tokens: int) -> list[int]:
@@ -174,6 +213,7 @@ def load_or_measure(
         measure_target(target, repeats=repeats),
         measure_draft(draft, repeats=repeats) if draft is not None else None,
         per_key=measure_per_key(target, repeats=repeats),
+        draft_prefill=measure_prefill(draft) if draft is not None else None,
     )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +238,7 @@ def load_costs_file(path: Path) -> StepCostModel:
             Curve(**_tuples(data["target"])),
             Curve(**_tuples(data["draft"])) if data.get("draft") else None,
             per_key=float(data.get("per_key", 0.0)),
+            draft_prefill=Curve(**_tuples(data["draft_prefill"])) if data.get("draft_prefill") else None,
         )
     curves = {c["role"]: c for c in data.get("curves", []) if isinstance(c, dict)}
     if "target" not in curves:
@@ -228,4 +269,4 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
         return f"{m.name}-{m.vocab_size}-{m.hidden_size}-{params}-{quant}-{m.device}".replace("/", "_")
 
     draft_part = f"+{one(draft)}" if draft is not None else ""
-    return f"{one(target)}{draft_part}-t{torch.get_num_threads()}"
+    return f"{one(target)}{draft_part}-t{torch.get_num_threads()}-v{_COSTS_VERSION}"

@@ -5,7 +5,8 @@ One :meth:`SpecEngine.step`:
 1. admit waiting requests while fewer than ``max_batch_size`` are running (continuous batching:
    sequences join and leave between steps);
 2. prefill: each new sequence feeds all its prompt tokens but the last, in chunks whose boundaries
-   depend on the prompt alone, within a per-step token budget (a draft model is fed them too);
+   depend on the prompt alone, within a per-step token budget (a draft model is fed them too where
+   the depth policy expects to use it);
 3. decode: the depth policy picks k per sequence from what is known before verification; the
    proposer drafts for every sequence (one batched pass for a draft model); one batched target
    forward scores every row's ``[pending, d_1 .. d_k]``; each row is verified on its own, its cache
@@ -82,6 +83,9 @@ class SeqState:
     proposer_state: Any = None
     stats: SpecStats = field(default_factory=SpecStats)
     steps: int = 0
+    feeds_draft: bool | None = None
+    """Whether its prompt chunks are fed to the draft model as the target prefills them; decided
+    at its first chunk (see :meth:`SpecEngine._draft_prefill_pays`)."""
 
     @property
     def prompt_len(self) -> int:
@@ -290,7 +294,7 @@ class SpecEngine:
                 if out.hidden is not None and self.proposer is not None:
                     for seq, hidden in zip(seqs, out.hidden, strict=True):
                         self.proposer.prefill(seq.proposer_state, hidden)
-                speculating = [b for b, s in enumerate(seqs) if s.request.num_speculative_tokens > 0]
+                speculating = [b for b, s in enumerate(seqs) if self._feeds_draft(s)]
                 if self.proposer is not None and speculating:
                     self.proposer.prefill_tokens(
                         [seqs[b].proposer_state for b in speculating], [rows[b] for b in speculating]
@@ -298,6 +302,31 @@ class SpecEngine:
                 return []
 
             outputs.extend(self._guarded(seqs, run))
+
+    def _feeds_draft(self, seq: SeqState) -> bool:
+        if seq.feeds_draft is None:
+            seq.feeds_draft = seq.request.num_speculative_tokens > 0 and self._draft_prefill_pays(seq)
+        return seq.feeds_draft
+
+    def _draft_prefill_pays(self, seq: SeqState) -> bool:
+        """Feed the draft model the prompt only if the depth policy would start it at the first
+        decode step with the whole prompt still to catch up on: the same price, paid now in the
+        target's chunks (no stall of the other sequences), or never, where the request has too few
+        tokens left to win it back (a long RAG prompt with a short answer). A sequence that skips it
+        can still start later: the policy prices its backlog at every step."""
+        if self.draft is None or self.spec.depth != "adaptive":
+            return True
+        cap = min(seq.request.num_speculative_tokens, seq.budget - 1)
+        if cap <= 0:
+            return False
+        query = DepthQuery(
+            cap=cap,
+            survival=seq.acceptance.survival(cap),
+            context=len(seq.token_ids),
+            backlog=len(seq.token_ids),
+            remaining=seq.budget,
+        )
+        return self.policy.choose([query])[0] > 0
 
     def _guarded(self, seqs: list[SeqState], work: Any) -> list[RequestOutput]:
         """Run ``work(seqs)``; if it fails, end those requests with the error and keep serving."""
@@ -394,6 +423,7 @@ class SpecEngine:
                 survival=s.acceptance.survival(c),
                 context=s.cache.length,
                 backlog=proposer.backlog(s.proposer_state, s.token_ids) if c else 0,
+                remaining=s.budget - s.num_generated,
             )
             for s, c in zip(seqs, caps, strict=True)
         ]

@@ -35,7 +35,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from verispec.costs import StepCostModel
+from verispec.costs import CATCH_UP_HORIZON, StepCostModel
 
 PRIOR_ACCEPTANCE = 0.8
 """Conditional acceptance assumed where nothing has been measured yet. Optimistic on purpose: a
@@ -181,7 +181,18 @@ class DepthQuery:
     context: int = 0
     """Tokens in the sequence's cache: what each of its query tokens attends to."""
     backlog: int = 0
-    """Tokens the proposer must catch up on before drafting (a draft model that sat out steps)."""
+    """Tokens the proposer must catch up on before drafting (a draft model that sat out steps, or
+    was not given the prompt)."""
+    remaining: int | None = None
+    """Tokens the request may still generate: the catch-up is spread over the steps they take
+    (None: over :data:`~verispec.costs.CATCH_UP_HORIZON` steps)."""
+
+    def catch_up_horizon(self) -> float:
+        """Steps left to win a catch-up back: the remaining tokens over the tokens a step commits
+        when speculating at the cap (1 + the expected accepted drafts)."""
+        if self.remaining is None:
+            return CATCH_UP_HORIZON
+        return max(1.0, self.remaining / (1.0 + sum(self.survival[: self.cap])))
 
 
 class DepthPolicy(ABC):
@@ -239,7 +250,7 @@ class AdaptiveDepth(DepthPolicy):
             for i, q in enumerate(queries):
                 extra_gain, extra_draft = 0.0, 0.0
                 if ks[i] == 0:  # speculating at all first means catching the draft model up
-                    extra_draft += self.costs.draft_catch_up_seconds(q.backlog)
+                    extra_draft += self.costs.draft_catch_up_seconds(q.backlog, q.catch_up_horizon())
                 for m in range(1, q.cap - ks[i] + 1):
                     level = ks[i] + m  # the draft step this token needs
                     extra_gain += q.survival[level - 1]

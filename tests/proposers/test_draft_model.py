@@ -7,7 +7,10 @@ from typing import Any
 import pytest
 
 from tests.test_engine import make_engine
-from verispec.config import SamplingConfig
+from verispec.config import DraftModelConfig, SamplingConfig, SpecConfig
+from verispec.costs import Curve, StepCostModel
+from verispec.engine import SpecEngine
+from verispec.proposers.base import build_proposer
 
 PROMPT = [(5 * i + 2) % 90 for i in range(45)]
 
@@ -37,6 +40,39 @@ def test_the_engine_prefills_the_draft_with_the_prompt(tiny_target, tiny_draft, 
     assert draft_calls[0] == ([len(PROMPT) - 1], [0])
     assert draft_calls[1] == ([1], [1])
     assert all(max(lengths) <= 2 and all(keep) for lengths, keep in draft_calls[1:])
+
+
+def adaptive_engine(target: Any, draft: Any, prefill_seconds: float) -> SpecEngine:
+    """The adaptive policy on fixed costs: verification nearly free, a draft step a fifth of a
+    target step, and a draft prefill of 45 tokens costing ``prefill_seconds``."""
+    spec = SpecConfig(method="draft", num_speculative_tokens=4, draft=DraftModelConfig(model="tiny"))
+    costs = StepCostModel(
+        Curve((1, 64), (0.100, 0.110)),
+        draft=Curve((1, 16), (0.020, 0.060)),
+        draft_prefill=Curve((1, 45), (0.020, prefill_seconds)),
+    )
+    return SpecEngine(target, build_proposer(spec, target, draft), spec, draft=draft, costs=costs)
+
+
+def test_the_adaptive_policy_feeds_the_prompt_only_to_a_draft_it_will_use(
+    tiny_target, tiny_draft, draft_calls
+):
+    """Lazy draft prefill: with a dear draft prefill and 3 tokens to generate, the draft is never
+    fed (it could not win the prefill back; a long RAG prompt with a short answer); with 60 tokens
+    to generate it is fed the prompt's chunks as the target prefills them, then drafts. Both equal
+    plain decoding."""
+    plain = make_engine(tiny_target, None, None)
+    short = adaptive_engine(tiny_target, tiny_draft, prefill_seconds=1.0).generate(PROMPT, max_new_tokens=3)
+    assert short.token_ids == plain.generate(PROMPT, max_new_tokens=3).token_ids
+    assert draft_calls == [] and short.stats.num_drafted == 0
+    long = adaptive_engine(tiny_target, tiny_draft, prefill_seconds=1.0).generate(PROMPT, max_new_tokens=60)
+    assert long.token_ids == plain.generate(PROMPT, max_new_tokens=60).token_ids
+    assert draft_calls[0] == ([len(PROMPT) - 1], [0])  # the prompt, in the target's prefill step
+    assert long.stats.num_drafted > 0 and long.stats.num_accepted > 0
+    # A cheap prefill pays even over 3 tokens: fed and drafted.
+    draft_calls.clear()
+    cheap = adaptive_engine(tiny_target, tiny_draft, prefill_seconds=0.021).generate(PROMPT, max_new_tokens=3)
+    assert draft_calls[0] == ([len(PROMPT) - 1], [0]) and cheap.stats.num_drafted > 0
 
 
 def test_a_request_without_speculation_never_feeds_the_draft(tiny_target, tiny_draft, draft_calls):

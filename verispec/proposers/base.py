@@ -80,10 +80,11 @@ class Proposer(ABC):
     def prefill_tokens(  # noqa: B027 - optional hook
         self, states: Sequence[Any], rows: Sequence[Sequence[int]]
     ) -> None:
-        """The engine's prefill chunks (prompt tokens), as it feeds them to the target. A proposer
-        with a model of its own (a draft model) feeds them too, so its first proposal has only the
-        last prompt token to catch up on: priced as a backlog at the first decode step, a long
-        prompt kept the depth policy from ever starting a draft model."""
+        """The engine's prefill chunks (prompt tokens), as it feeds them to the target, for the
+        sequences whose draft the depth policy expects to start (``SpecEngine._draft_prefill_pays``).
+        A proposer with a model of its own (a draft model) feeds them too, so its first proposal has
+        only the last prompt token to catch up on; the other sequences catch up later, if ever, in
+        one pass priced as a backlog."""
 
     def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default
         """Free per-sequence resources (a KV cache) when the sequence finishes."""
