@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import tiny_llama
+from tests.conftest import needs_smollm2, tiny_llama
 from tests.heads.tiny import trained
 from verispec.cli import build_parser, main
 from verispec.config import ModelLoadConfig
@@ -62,6 +62,24 @@ def test_train_flags_and_a_target_without_tokenizer(folders, capsys):
     code = main(["train", "medusa", "--target", str(target), "--out", "unused", "--max-tokens", "2000",
                  "--quiet", "--cache-dir", str(target.parent / "cache")])  # fmt: skip
     assert code == 2 and "no tokenizer" in capsys.readouterr().err
+
+
+@needs_smollm2
+def test_train_data_only_fills_and_then_grows_the_cache(tmp_path, capsys, restore_torch_threads):
+    """`verispec train --data-only` on a real model: the hidden-state cache is built, then a larger
+    --max-tokens extends the same cache folder instead of starting another one."""
+    base = ["train", "eagle", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "unused"),
+            "--sources", "stdlib", "--max-seq-len", "256", "--data-only", "--quiet", "--threads", "2",
+            "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    assert main([*base, "--max-tokens", "1000"]) == 0
+    first = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    assert first["complete"] and 1000 <= first["tokens"] < 1256
+    assert main([*base, "--max-tokens", "2000"]) == 0
+    grown = json.loads((tmp_path / "cache" / "meta.json").read_text())
+    assert grown["complete"] and grown["tokens"] >= 2000 and grown["sequences"] > first["sequences"]
+    assert grown["cursor"]["stdlib"] > first["cursor"]["stdlib"]
+    assert "hidden states cached in" in capsys.readouterr().out
+    assert not (tmp_path / "unused").exists()  # --data-only trains nothing
 
 
 def test_acceptance_flag_reaches_the_config(capsys):

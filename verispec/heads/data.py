@@ -305,7 +305,6 @@ class HiddenStore:
     folder: Path
     meta: dict[str, Any] = field(default_factory=dict)
 
-
     @property
     def complete(self) -> bool:
         return bool(self.meta.get("complete"))
