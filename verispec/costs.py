@@ -1,6 +1,6 @@
 """What a step costs: measured forward times that the adaptive depth policy trades acceptance against.
 
-Two curves, measured on this machine with this model and these settings:
+Three curves, measured on this machine with this model and these settings:
 
 - target: seconds of one batched forward against the number of tokens in the batch (every
   sequence's pending token plus its drafts), split into rows as the engine splits them, plus a
