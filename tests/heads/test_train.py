@@ -11,7 +11,7 @@ from tests.heads.tiny import tiny_data, token_arrays, trained
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.identity import identify
-from verispec.heads.io import save_heads
+from verispec.heads.io import WEIGHTS_FILE, file_sha256, save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.train import (
     PRECISIONS,
@@ -159,6 +159,8 @@ def test_training_can_go_on_from_saved_heads(tmp_path, tiny_target):
     first = [row["top1"] for row in report["heldout_accuracy"]]
     assert [row["top1"] for row in kept["heldout_accuracy"]] == pytest.approx(first, abs=0.03)
     assert cold["heldout_accuracy"][0]["top1"] < first[0] - 0.2
+    assert kept["init_from_sha256"] == file_sha256(tmp_path / "eagle" / WEIGHTS_FILE)
+    assert "init_from_sha256" not in cold
     # Other sizes or another kind are refused with a clear error.
     narrow = EagleDrafter(EagleConfig.for_target(tiny_target, 32))
     with pytest.raises(VerispecError, match="differ from this run"):

@@ -40,7 +40,7 @@ from verispec.errors import VerispecError
 from verispec.heads.data import SOURCES, DataSpec, HiddenStore, prepare_store
 from verispec.heads.eagle import EagleConfig, EagleDrafter, unrolled_masks
 from verispec.heads.identity import TargetIdentity, identify
-from verispec.heads.io import DEFAULT_TREE, KINDS, load_heads, save_heads
+from verispec.heads.io import DEFAULT_TREE, KINDS, WEIGHTS_FILE, file_sha256, load_heads, save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 
@@ -474,8 +474,10 @@ def fit(
             "final_loss": losses[-1][1] if losses else None, "loss_curve": losses[-20:]}  # fmt: skip
 
 
-def warm_start(module: nn.Module, settings: TrainSettings, target: Any) -> None:
-    """Load ``settings.init_from``'s weights into ``module``; refused for another kind, target or size."""
+def warm_start(module: nn.Module, settings: TrainSettings, target: Any) -> str:
+    """Load ``settings.init_from``'s weights into ``module``; refused for another kind, target or
+    size. Returns the sha256 of the weights file, for the training record (heads are retrained and
+    shipped again, so a path alone does not say which weights a run started from)."""
     folder = Path(settings.init_from or "")
     loaded = load_heads(folder, target, kind=settings.kind)
     want, have = module.config, loaded.module.config  # type: ignore[union-attr]
@@ -484,6 +486,7 @@ def warm_start(module: nn.Module, settings: TrainSettings, target: Any) -> None:
             f"--init-from {folder}: its sizes {have.to_dict()} differ from this run's {want.to_dict()}"
         )
     module.load_state_dict(loaded.module.state_dict())
+    return file_sha256(folder / WEIGHTS_FILE)
 
 
 def train_heads(
@@ -504,10 +507,11 @@ def train_heads(
     width = settings.tree["width"]
     soft = settings.labels == "soft"
     rng_for = lambda epoch: np.random.default_rng(settings.seed * 1000 + epoch)  # noqa: E731
+    started_from: str | None = None
     if settings.kind == "medusa":
         heads = MedusaHeads(MedusaConfig(hidden_size=target.hidden_size, num_heads=settings.num_heads))
         if settings.init_from:
-            warm_start(heads, settings, target)
+            started_from = warm_start(heads, settings, target)
         train_j = medusa_positions(data, heldout=False)
         size = settings.batch_tokens
 
@@ -533,7 +537,7 @@ def train_heads(
         embeddings = target.model.get_input_embeddings().weight.detach().float()
         drafter = EagleDrafter(EagleConfig.for_target(target, settings.intermediate_size))
         if settings.init_from:
-            warm_start(drafter, settings, target)
+            started_from = warm_start(drafter, settings, target)
         elif settings.eagle_init == "identity":
             drafter.init_identity()
         train_seqs = data.sequences(heldout=False)
@@ -560,6 +564,7 @@ def train_heads(
         "draft_vocab_size": int(vocab_ids.numel()) if vocab_ids is not None else 0,
         "draft_vocab_label_coverage": round(coverage, 4),
         "settings": asdict(settings),
+        **({"init_from_sha256": started_from} if started_from else {}),
     }
     return module, vocab_ids, report
 
