@@ -162,6 +162,10 @@ def test_a_store_grows_without_recomputing_what_it_holds(tmp_path, tiny_target):
     assert not store.complete and store.meta["done"] == 3 and store.tokens == 39
     assert HiddenStore.open(store.folder).meta == store.meta  # swapped in on disk, no .next left over
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    # Interrupted between the swap's two renames: reopening restores the old store.
+    store.folder.rename(tmp_path / "store.old")
+    assert HiddenStore.open(tmp_path / "store").meta == store.meta
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
     store.fill(tiny_target, progress=False)
     hidden = np.asarray(store.array("hidden"), dtype=np.float32)
     assert (hidden[:15] == 7.0).all() and not (hidden[15:] == 7.0).any()
@@ -176,6 +180,9 @@ def test_a_store_grows_without_recomputing_what_it_holds(tmp_path, tiny_target):
     assert store.summary(16) == {
         "sequences": 4, "tokens": 24, "tokens_by_source": {"sharegpt": 0, "stdlib": 24}, "labelled_tokens": 20
     }  # fmt: skip
+    (tmp_path / "store.old").mkdir()  # left over after the swap: the next extension clears it
+    store.extend(examples_of([5]), Cursor(stdlib=8, tokens={"stdlib": 44}), identify(tiny_target), spec, 64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"] and store.tokens == 44
 
 
 class ModTokenizer(FakeTokenizer):

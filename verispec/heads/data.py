@@ -401,6 +401,8 @@ class HiddenStore:
         text = json.dumps(meta, indent=1) + "\n"
         (grown / "meta.json").write_text(text)
         old_folder = self.folder.with_name(self.folder.name + ".old")
+        if old_folder.exists() and self.folder.exists():
+            shutil.rmtree(old_folder)  # left by an extension interrupted after its swap
         if self.folder.exists():
             self.folder.rename(old_folder)
         grown.rename(self.folder)
