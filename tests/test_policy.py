@@ -119,6 +119,25 @@ def test_one_rejection_does_not_price_a_draft_model_out_for_good():
     assert prior.at(0) <= PRIOR_ACCEPTANCE
 
 
+def test_a_depth_the_policy_stopped_drafting_to_is_tried_again():
+    """One rejection at depth 2 makes k = 1 look best; drafting at k = 1 never measures depth 2, so
+    without forgetting it stayed at k = 1 for good. Unreached positions now drift back toward the
+    prior, and the policy goes deeper again once depth 1 keeps being accepted."""
+    costs = StepCostModel(Curve((1, 64), (0.100, 0.110)), draft=Curve((1, 16), (0.040, 0.070)))
+    policy = AdaptiveDepth(costs)
+    prior = AcceptancePrior()
+    seq = AcceptanceEstimate(prior)
+    for counts in (seq, prior):
+        counts.observe(2, 1)  # the second draft token rejected
+    assert policy.choose([DepthQuery(cap=3, survival=seq.survival(3))]) == [1]
+    low = seq.at(1)
+    for _ in range(30):  # k = 1, always accepted
+        for counts in (seq, prior):
+            counts.observe(1, 1)
+    assert seq.at(1) > low + 0.2
+    assert policy.choose([DepthQuery(cap=3, survival=seq.survival(3))])[0] >= 2
+
+
 def test_a_well_predicted_sequence_is_drafted_deeper_than_it_was_ever_measured():
     """Measured only at depth 1 (0.95 accepted), a draft model costing half a target step must be
     taken past k = 1, or depth 2 would never be measured. With the fixed prior (0.8) assumed at the

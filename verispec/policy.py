@@ -66,9 +66,10 @@ class _Counts:
             self.hits[j] = self.discount * self.hits[j] + hit
             self.tries[j] = self.discount * self.tries[j] + 1.0
 
-    def forget(self, factor: float) -> None:
-        self.hits = [h * factor for h in self.hits]
-        self.tries = [t * factor for t in self.tries]
+    def forget(self, factor: float, beyond: int = 0) -> None:
+        """Scale down the counts of positions ``beyond`` and deeper (all by default)."""
+        self.hits = [h * factor if j >= beyond else h for j, h in enumerate(self.hits)]
+        self.tries = [t * factor if j >= beyond else t for j, t in enumerate(self.tries)]
 
 
 class AcceptancePrior:
@@ -91,6 +92,7 @@ class AcceptancePrior:
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.counts.observe(drafted, accepted)
+        self.counts.forget(self.forget_factor, beyond=_verified(drafted, accepted))
 
     def relax(self) -> None:
         """A step in which no sequence drafted: forget a little (half-life ~23 such steps)."""
@@ -116,8 +118,13 @@ class AcceptanceEstimate:
         return self.counts.rate(position, self.prior.at(position))
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """Record a verified draft of ``drafted`` tokens of which the first ``accepted`` were kept."""
+        """Record a verified draft of ``drafted`` tokens of which the first ``accepted`` were kept.
+
+        Positions this draft did not reach forget a little, as on a step without speculation: else
+        one rejection at depth 2 kept a draft model at k = 1 for good (depth 2 then never measured
+        again; HumanEval, session 8: 982 of 1012 steps at k = 1 with 91% accepted at depth 1)."""
         self.counts.observe(drafted, accepted)
+        self.counts.forget(self.forget_factor, beyond=_verified(drafted, accepted))
 
     def relax(self) -> None:
         """A step without speculation: forget a little, drifting toward the engine-wide prior."""
@@ -160,6 +167,11 @@ class TreeCalibration:
         """Expected accepted tokens each node adds: calibrated path probabilities, capped at 1."""
         factor = self.factor
         return [min(1.0, factor * math.exp(score)) for score in scores]
+
+
+def _verified(drafted: int, accepted: int) -> int:
+    """How many positions a draft's verification measured: the accepted ones and the first rejected."""
+    return accepted + (1 if accepted < drafted else 0)
 
 
 def _outcomes(drafted: int, accepted: int) -> list[tuple[int, float]]:
