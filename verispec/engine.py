@@ -316,16 +316,10 @@ class SpecEngine:
         can still start later: the policy prices its backlog at every step."""
         if self.draft is None or self.spec.depth != "adaptive":
             return True
-        cap = min(seq.request.num_speculative_tokens, seq.budget - 1)
+        cap = _speculation_cap(seq)
         if cap <= 0:
             return False
-        query = DepthQuery(
-            cap=cap,
-            survival=seq.acceptance.survival(cap),
-            context=len(seq.token_ids),
-            backlog=len(seq.token_ids),
-            remaining=seq.budget,
-        )
+        query = _depth_query(seq, cap, context=len(seq.token_ids), backlog=len(seq.token_ids))
         return self.policy.choose([query])[0] > 0
 
     def _guarded(self, seqs: list[SeqState], work: Any) -> list[RequestOutput]:
@@ -411,19 +405,18 @@ class SpecEngine:
         return self.proposer is not None and self.proposer.needs_hidden
 
     def _depths(self, seqs: list[SeqState]) -> list[int]:
-        caps = [min(s.request.num_speculative_tokens, s.budget - s.num_generated - 1) for s in seqs]
+        caps = [_speculation_cap(s) for s in seqs]
         if self.proposer is None or not any(caps):
             return [0] * len(seqs)
         proposer = self.proposer
         if proposer.drafts_trees:  # sized after drafting (_size_trees); only the batch cut-off applies here
             return [0] * len(seqs) if self.policy.disabled(len(seqs)) else caps
         queries = [
-            DepthQuery(
-                cap=c,
-                survival=s.acceptance.survival(c),
+            _depth_query(
+                s,
+                c,
                 context=s.cache.length,
                 backlog=proposer.backlog(s.proposer_state, s.token_ids) if c else 0,
-                remaining=s.budget - s.num_generated,
             )
             for s, c in zip(seqs, caps, strict=True)
         ]
@@ -663,4 +656,21 @@ def _generation(request: Request, events: list[TokenEvent]) -> Generation:
         stats=last.stats,
         prompt_token_ids=list(request.prompt_ids),
         events=events,
+    )
+
+
+def _speculation_cap(seq: SeqState) -> int:
+    """Most draft tokens this sequence may take now: its request's k, cut by the tokens it may still
+    generate (the step's own token included); 0 when the request turned speculation off."""
+    return min(seq.request.num_speculative_tokens, seq.budget - seq.num_generated - 1)
+
+
+def _depth_query(seq: SeqState, cap: int, *, context: int, backlog: int) -> DepthQuery:
+    """What the depth policy is told about ``seq`` (at a decode step, or at prefill about its first)."""
+    return DepthQuery(
+        cap=cap,
+        survival=seq.acceptance.survival(cap),
+        context=context,
+        backlog=backlog,
+        remaining=seq.budget - seq.num_generated,
     )

@@ -58,13 +58,17 @@ class _Counts:
             return prior
         return (self.hits[position] + self.strength * prior) / (self.tries[position] + self.strength)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        for j, hit in _outcomes(drafted, accepted):
+    def observe(self, drafted: int, accepted: int, forget_unreached: float = 1.0) -> None:
+        """Count a verified draft; positions it did not reach forget by ``forget_unreached``."""
+        outcomes = _outcomes(drafted, accepted)
+        for j, hit in outcomes:
             while len(self.tries) <= j:
                 self.hits.append(0.0)
                 self.tries.append(0.0)
             self.hits[j] = self.discount * self.hits[j] + hit
             self.tries[j] = self.discount * self.tries[j] + 1.0
+        if forget_unreached != 1.0:
+            self.forget(forget_unreached, beyond=len(outcomes))
 
     def forget(self, factor: float, beyond: int = 0) -> None:
         """Scale down the counts of positions ``beyond`` and deeper (all by default)."""
@@ -91,8 +95,7 @@ class AcceptancePrior:
         return self.counts.rate(position, PRIOR_ACCEPTANCE)
 
     def observe(self, drafted: int, accepted: int) -> None:
-        self.counts.observe(drafted, accepted)
-        self.counts.forget(self.forget_factor, beyond=_verified(drafted, accepted))
+        self.counts.observe(drafted, accepted, forget_unreached=self.forget_factor)
 
     def relax(self) -> None:
         """A step in which no sequence drafted: forget a little (half-life ~23 such steps)."""
@@ -123,8 +126,7 @@ class AcceptanceEstimate:
         Positions this draft did not reach forget a little, as on a step without speculation: else
         one rejection at depth 2 kept a draft model at k = 1 for good (depth 2 then never measured
         again; HumanEval, session 8: 982 of 1012 steps at k = 1 with 91% accepted at depth 1)."""
-        self.counts.observe(drafted, accepted)
-        self.counts.forget(self.forget_factor, beyond=_verified(drafted, accepted))
+        self.counts.observe(drafted, accepted, forget_unreached=self.forget_factor)
 
     def relax(self) -> None:
         """A step without speculation: forget a little, drifting toward the engine-wide prior."""
@@ -167,11 +169,6 @@ class TreeCalibration:
         """Expected accepted tokens each node adds: calibrated path probabilities, capped at 1."""
         factor = self.factor
         return [min(1.0, factor * math.exp(score)) for score in scores]
-
-
-def _verified(drafted: int, accepted: int) -> int:
-    """How many positions a draft's verification measured: the accepted ones and the first rejected."""
-    return accepted + (1 if accepted < drafted else 0)
 
 
 def _outcomes(drafted: int, accepted: int) -> list[tuple[int, float]]:
