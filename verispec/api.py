@@ -56,6 +56,8 @@ def load(
     ``method="medusa"`` or ``"eagle"`` drafts token trees from the target's hidden states with
     trained heads: ``heads`` is their folder (``verispec train``), None takes those shipped for the
     target; ``tree_nodes``/``tree_width`` override the heads' tree budget and candidates per level.
+    ``"eagle+ngram"``/``"medusa+ngram"`` add prompt lookup's continuation to that tree as one more
+    branch (see :mod:`verispec.proposers.hybrid`).
     ``acceptance="typical"`` is Medusa's typical acceptance, which is LOSSY at temperature > 0 (the
     output no longer follows the target's distribution, see :mod:`verispec.verify.typical`).
     """

@@ -12,10 +12,10 @@ from typing import Literal
 
 from verispec.errors import VerispecError
 
-Method = Literal["draft", "ngram", "medusa", "eagle"]
+Method = Literal["draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngram"]
 """Speculation methods with a registered proposer; ``None`` in :class:`SpecConfig` means plain decoding."""
 
-METHODS: tuple[str, ...] = ("draft", "ngram", "medusa", "eagle")
+METHODS: tuple[str, ...] = ("draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngram")
 
 Acceptance = Literal["exact", "typical"]
 ACCEPTANCES: tuple[str, ...] = ("exact", "typical")
@@ -101,8 +101,8 @@ class SpecConfig:
     """Speculate only while fewer than this many sequences decode together (vLLM's
     --speculative-disable-by-batch-size); None never disables."""
     heads: str | None = None
-    """Folder of trained heads for ``medusa``/``eagle`` (see verispec.heads.io); None takes the heads
-    shipped for the target, if any."""
+    """Folder of trained heads for ``medusa``/``eagle`` (and ``medusa+ngram``/``eagle+ngram``, see
+    verispec.heads.io); None takes the heads shipped for the target, if any."""
     tree_nodes: int | None = None
     """Most draft-tree nodes per step for ``medusa``/``eagle``; None takes the heads' default."""
     tree_width: int | None = None

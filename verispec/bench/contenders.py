@@ -61,7 +61,7 @@ class EngineContender:
             self.description["ngram"] = {"max_ngram": spec.ngram.max_ngram, "min_ngram": spec.ngram.min_ngram}
         if spec.method == "draft":
             self.description["draft"] = spec.draft.model
-        if spec.method in ("medusa", "eagle"):  # heads shipped for the target (or spec.heads)
+        if spec.method is not None and spec.method.split("+")[0] in ("medusa", "eagle"):  # heads (+ lookup)
             self.description["heads"] = getattr(engine.proposer, "description", {})
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:

@@ -10,7 +10,7 @@ T=qwen2.5-coder-1.5b-instruct
 D=qwen2.5-coder-0.5b-instruct
 OUT=${OUT:-results/heads}
 POLICY=${POLICY:-adaptive}
-COMMON=(--target $T --draft $D --methods none,ngram,draft,medusa,eagle -k 5 --depth-policy "$POLICY"
+COMMON=(--target $T --draft $D --methods none,ngram,draft,medusa,eagle,medusa+ngram,eagle+ngram -k 5 --depth-policy "$POLICY"
         --max-new-tokens 96 --warmup 1 --threads 2)
 
 $V bench "${COMMON[@]}" --dataset humaneval --limit 20 --out "$OUT/humaneval"

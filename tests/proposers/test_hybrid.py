@@ -1,0 +1,169 @@
+"""eagle+ngram and medusa+ngram: grafting prompt lookup's continuation onto a heads tree keeps the
+tree valid and verification exact (greedy equality, chi-square), and the lookup branch is drafted,
+scored from its own record and accepted where the heads alone are not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.heads.tiny import trained
+from tests.proposers.heads_checks import PROMPTS, plain_outputs
+from tests.proposers.test_eagle import eagle_proposer
+from tests.test_engine_distribution import (  # noqa: F401 - fixtures
+    SEEDS,
+    assert_follows_target,
+    generate_all,
+    one_thread,
+    prefix_logits,
+    target,
+)
+from verispec.config import SamplingConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.heads.eagle import EagleConfig, EagleDrafter
+from verispec.heads.identity import identify
+from verispec.heads.io import save_heads
+from verispec.models.hf import HFCausalLM
+from verispec.proposers.base import build_proposer
+from verispec.proposers.eagle import EagleProposer
+from verispec.proposers.hybrid import HybridProposer, graft
+from verispec.proposers.medusa import MedusaProposer
+from verispec.proposers.ngram import NgramProposer
+from verispec.types import Draft
+from verispec.verify.tree import DraftTree
+
+
+def scored_tree(tokens: list[int], parents: list[int], probs: list[float]) -> DraftTree:
+    return DraftTree(
+        torch.tensor(tokens), torch.tensor(parents), scores=torch.tensor([math.log(p) for p in probs])
+    )
+
+
+def as_paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+    """Each node as the token path from the root to it, with its acceptance probability."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    assert tree.scores is not None
+    return {p: round(math.exp(s), 6) for p, s in zip(paths, tree.scores.tolist(), strict=True)}
+
+
+def test_graft_merges_shared_prefixes_keeps_the_higher_score_and_sorts_best_first():
+    # Heads tree: 7 (0.6) -> 8 (0.3); 9 (0.2). Lookup chain 7, 5, 6 with survival 0.5, 0.45, 0.4.
+    tree = scored_tree([7, 8, 9], [-1, 0, -1], [0.6, 0.3, 0.2])
+    merged = graft(tree, [7, 5, 6], [0.5, 0.45, 0.4])
+    assert isinstance(merged, DraftTree)
+    assert as_paths(merged) == {(7,): 0.6, (9,): 0.2, (7, 8): 0.3, (7, 5): 0.45, (7, 5, 6): 0.4}
+    assert merged.tokens.tolist() == [7, 5, 6, 8, 9]  # best first; parents before children
+    assert merged.scores is not None and bool((merged.scores[1:] <= merged.scores[:-1]).all())
+    # A lookup node both drafters chose takes the lookup's score when it is the higher one.
+    raised = graft(tree, [7, 8], [0.9, 0.8])
+    assert as_paths(raised) == {(7,): 0.9, (9,): 0.2, (7, 8): 0.8}
+    assert raised.size == 3
+
+
+def test_graft_without_a_chain_or_without_a_tree():
+    tree = scored_tree([7], [-1], [0.6])
+    assert graft(tree, [], []) is tree
+    alone = graft(Draft.empty(), [4, 4], [0.7, 0.5])
+    assert isinstance(alone, DraftTree) and as_paths(alone) == {(4,): 0.7, (4, 4): 0.5}
+    assert graft(Draft.empty(), [], []).k == 0
+    with pytest.raises(TypeError, match="scored tree"):
+        graft(Draft(tokens=torch.tensor([1, 2])), [3], [0.5])
+
+
+def hybrid_engine(model: HFCausalLM, drafter: EagleDrafter, k: int = 4) -> SpecEngine:
+    spec = SpecConfig(method="eagle+ngram", num_speculative_tokens=k, depth="fixed")
+    proposer = HybridProposer(eagle_proposer(model, drafter, nodes=6, width=2), NgramProposer(spec))
+    return SpecEngine(model, proposer, spec)
+
+
+def test_greedy_equals_plain_and_lookup_adds_accepted_tokens(tiny_target):
+    """An untrained EAGLE layer hardly ever drafts right; with the lookup branch the same engine
+    accepts more (a random model's greedy text falls into loops that lookup copies), and output is
+    unchanged, one request at a time and batched."""
+    torch.manual_seed(3)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    want = plain_outputs(tiny_target, PROMPTS, 40)
+    eagle_only = SpecEngine(
+        tiny_target,
+        eagle_proposer(tiny_target, drafter, nodes=6, width=2),
+        SpecConfig(method="eagle", num_speculative_tokens=4, depth="fixed"),
+    ).generate_batch(PROMPTS, max_new_tokens=40)
+    engine = hybrid_engine(tiny_target, drafter)
+    alone = [engine.generate(p, max_new_tokens=40) for p in PROMPTS]
+    batched = engine.generate_batch(PROMPTS, max_new_tokens=40)
+    assert [g.token_ids for g in alone] == want
+    assert [g.token_ids for g in batched] == want
+    hybrid_accepted = sum(g.stats.num_accepted for g in batched)
+    assert hybrid_accepted > 2 * sum(g.stats.num_accepted for g in eagle_only) + 10, hybrid_accepted
+    assert sum(sum(g.stats.accepted_at[1:]) for g in batched) > 0  # beyond depth 1
+    proposer = engine.proposer
+    assert isinstance(proposer, HybridProposer)
+    assert proposer.prior.counts.hits[0] > 0 and proposer.prior.counts.tries[0] > 0
+
+
+def test_the_lookup_record_counts_matches_against_what_was_committed(tiny_target):
+    """Chain [a, b, c] and a step that committed [a, b, x]: positions 1-2 matched, 3 did not; a
+    chain longer than the step's commit is judged only as far as the commit goes."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    proposer = HybridProposer(eagle_proposer(tiny_target, drafter), NgramProposer(SpecConfig()))
+    state = proposer.new_state([1, 2], SamplingConfig())
+    hidden = torch.zeros(3, tiny_target.hidden_size)
+    state.chain = [5, 6, 7]
+    proposer.update(state, [1, 2, 5, 6, 9], num_accepted=2, hidden=hidden)
+    counts = state.acceptance.counts
+    assert counts.hits == [1.0, 1.0, 0.0] and counts.tries == [1.0, 1.0, 1.0]
+    assert state.chain == []
+    state.chain = [9, 9, 9, 9]
+    proposer.update(state, [1, 2, 5, 6, 9, 9], num_accepted=0, hidden=hidden[:1])
+    assert state.acceptance.counts.tries[0] == pytest.approx(0.9 + 1.0)  # one position judged
+    assert state.acceptance.counts.hits[0] == pytest.approx(0.9 + 1.0)
+    before = state.acceptance.survival(3)
+    state.chain = [4, 4, 4]
+    proposer.update(state, [1, 2, 5, 6, 9, 9, 3], num_accepted=0, hidden=hidden[:1])
+    assert state.acceptance.survival(3)[0] < before[0]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_registry_builds_both_hybrids_from_saved_heads(tmp_path, tiny_target, kind):
+    module, vocab, _ = trained(tiny_target, kind)
+    save_heads(tmp_path / kind, kind, module, identify(tiny_target), vocab)
+    spec = SpecConfig(method=f"{kind}+ngram", heads=str(tmp_path), num_speculative_tokens=3, depth="fixed")
+    proposer = build_proposer(spec, tiny_target, None)
+    assert isinstance(proposer, HybridProposer) and proposer.name == f"{kind}+ngram"
+    assert isinstance(proposer.heads, {"eagle": EagleProposer, "medusa": MedusaProposer}[kind])
+    got = SpecEngine(tiny_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=20)
+    assert [g.token_ids for g in got] == plain_outputs(tiny_target, PROMPTS, 20)
+    assert sum(g.stats.num_accepted for g in got) > 0
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_k=4)],
+    ids=["temperature-1", "top-k-4"],
+)
+def test_hybrid_engine_samples_the_target_distribution(target, prefix_logits, sampling):  # noqa: F811
+    """A random EAGLE layer's trees with the lookup chain grafted on (the prompt repeats a token, so
+    lookup drafts from the first step): sampled sequences follow the target's joint distribution."""
+    torch.manual_seed(4)
+    drafter = EagleDrafter(EagleConfig.for_target(target)).eval()
+    engine = hybrid_engine(target, drafter, k=3)
+    proposer = engine.proposer
+    assert isinstance(proposer, HybridProposer)
+    chains: list[int] = []
+    lookup = proposer.lookup.propose
+
+    def counted(*args: object) -> Draft:
+        draft = lookup(*args)  # type: ignore[arg-type]
+        chains.append(draft.k)
+        return draft
+
+    proposer.lookup.propose = counted  # type: ignore[method-assign]
+    tokens, totals = generate_all(engine, sampling, SEEDS)
+    assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
+    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
+    assert sum(k > 0 for k in chains) > 500 and sum(k > 1 for k in chains) > 200, "lookup hardly drafted"
+    assert_follows_target(tokens, prefix_logits, sampling)

@@ -1,0 +1,155 @@
+"""``eagle+ngram`` and ``medusa+ngram``: a learned drafter's token tree with prompt lookup's
+continuation grafted on as one more branch.
+
+The two drafters are right in different places. Prompt lookup wins where the answer copies its
+context (code edits, summaries, RAG: long runs, each accepted token nearly free to find) and has
+nothing to offer elsewhere; heads draft everywhere but seldom more than two or three tokens deep
+when trained on little data. One verify forward can check both: the lookup continuation is a chain
+of deterministic candidates, so it merges into the heads' tree (shared prefixes become one path)
+and tree verification stays exact (:mod:`verispec.verify.tree`).
+
+Each lookup node gets a score like the heads' nodes, the log-probability that the path to it is
+accepted, so the depth policy can size the merged tree as it sizes any scored tree. That probability
+is measured, per sequence and position, by how far past lookup continuations matched the tokens
+the step actually committed (shrunk toward an estimate over all sequences): it is known before this
+step's verification, so sizing the tree by it cannot bias the output. A node that both drafters
+proposed keeps the higher of its two scores; scores still never increase along a path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from verispec.heads.trees import best_subtree
+from verispec.policy import AcceptanceEstimate, AcceptancePrior
+from verispec.proposers.base import Proposer, register
+from verispec.proposers.eagle import EagleProposer
+from verispec.proposers.heads_base import HeadsProposer
+from verispec.proposers.medusa import MedusaProposer
+from verispec.proposers.ngram import NgramProposer, NgramState
+from verispec.types import Draft
+from verispec.verify.tree import DraftTree
+
+if TYPE_CHECKING:
+    from verispec.config import SamplingConfig, SpecConfig
+    from verispec.models.base import CausalLM
+
+
+@dataclass
+class HybridState:
+    heads: Any
+    """The heads proposer's own per-sequence state."""
+    lookup: NgramState
+    acceptance: AcceptanceEstimate
+    """How deep this sequence's lookup continuations have matched what was committed."""
+    chain: list[int]
+    """The lookup continuation proposed at the last step (empty when there was none)."""
+
+
+class HybridProposer(Proposer):
+    """A :class:`HeadsProposer`'s tree plus prompt lookup's continuation (module docstring)."""
+
+    needs_hidden = True
+    drafts_trees = True
+
+    def __init__(self, heads: HeadsProposer, lookup: NgramProposer) -> None:
+        self.heads = heads
+        self.lookup = lookup
+        self.name = f"{heads.name}+ngram"  # type: ignore[misc]  # one class, two registered names
+        self.prior = AcceptancePrior()
+        self.description: dict[str, object] = {
+            **heads.description,
+            "ngram": {"max_ngram": lookup.max_ngram, "min_ngram": lookup.min_ngram},
+        }
+        """What defines this proposer, for benchmark reports."""
+
+    def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> HybridState:
+        return HybridState(
+            heads=self.heads.new_state(prompt_ids, sampling),
+            lookup=self.lookup.new_state(prompt_ids, sampling),
+            acceptance=AcceptanceEstimate(self.prior),
+            chain=[],
+        )
+
+    def prefill(self, state: HybridState, hidden: torch.Tensor) -> None:
+        self.heads.prefill(state.heads, hidden)
+
+    def propose(self, state: HybridState, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
+        return self.propose_batch([state], [token_ids], [k])[0]
+
+    def propose_batch(
+        self, states: Sequence[HybridState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[Draft | DraftTree]:
+        trees = self.heads.propose_batch([s.heads for s in states], token_ids, ks)
+        out: list[Draft | DraftTree] = []
+        for state, ids, k, tree in zip(states, token_ids, ks, trees, strict=True):
+            state.chain = self.lookup.propose(state.lookup, ids, k).tokens.tolist()
+            out.append(graft(tree, state.chain, state.acceptance.survival(len(state.chain))))
+        return out
+
+    def update(
+        self,
+        state: HybridState,
+        token_ids: Sequence[int],
+        num_accepted: int,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        self.heads.update(state.heads, token_ids, num_accepted, hidden)
+        self.lookup.update(state.lookup, token_ids, num_accepted)
+        if state.chain:
+            committed = list(token_ids[len(token_ids) - num_accepted - 1 :])
+            checked = min(len(state.chain), len(committed))
+            matched = next((j for j in range(checked) if state.chain[j] != committed[j]), checked)
+            # Greedy: the committed tokens are the target's own choices, so a lookup token equal
+            # to them would have been accepted whatever the tree kept. Sampling: a close proxy.
+            state.acceptance.observe(checked, matched)
+            self.prior.observe(checked, matched)
+            state.chain = []
+
+    def release(self, state: HybridState) -> None:
+        self.heads.release(state.heads)
+
+
+def graft(tree: Draft | DraftTree, chain: Sequence[int], survival: Sequence[float]) -> Draft | DraftTree:
+    """``tree`` with ``chain`` added as a path from the root, node j of the chain scored
+    ``log survival[j]``; nodes already in the tree keep the higher score. Re-sorted best first."""
+    if not chain:
+        return tree
+    if isinstance(tree, DraftTree) and tree.scores is not None:
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        scores = tree.scores.tolist()
+    elif isinstance(tree, Draft) and tree.k == 0:
+        tokens, parents, scores = [], [], []
+    else:
+        raise TypeError("only a scored tree (or nothing) can take a lookup branch")
+    children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
+    parent = -1
+    for token, p in zip(chain, survival, strict=True):
+        score = math.log(max(p, 1e-12))
+        node = children.get((parent, token))
+        if node is None:
+            node = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            scores.append(score)
+            children[(parent, token)] = node
+        else:
+            scores[node] = max(scores[node], score)
+        parent = node
+    return best_subtree(tokens, parents, scores, len(tokens))
+
+
+def _hybrid(heads_cls: type[HeadsProposer]) -> Any:
+    def build(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer:
+        return HybridProposer(heads_cls.build(spec, target), NgramProposer(spec))
+
+    return build
+
+
+register("eagle+ngram")(_hybrid(EagleProposer))
+register("medusa+ngram")(_hybrid(MedusaProposer))
