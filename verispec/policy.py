@@ -81,18 +81,19 @@ class AcceptancePrior:
 
     New sequences start from it, and a sequence whose speculation is paused drifts back to it, so
     a sequence that once drafted badly is tried again later rather than never. The prior itself
-    drifts back to :data:`PRIOR_ACCEPTANCE` over steps in which nothing drafted (:meth:`relax`):
+    drifts back to its mean (:data:`PRIOR_ACCEPTANCE`) over steps in which nothing drafted (:meth:`relax`):
     otherwise one rejected draft (0.8 -> 0.53 at strength 2) could price a draft model out for the
     rest of the process, since only verified drafts update it (Spec-Bench, session 6: one k = 2
     rejection on the first prompt, then no draft in 900 steps).
     """
 
-    def __init__(self, forget: float = 0.97) -> None:
+    def __init__(self, forget: float = 0.97, mean: float = PRIOR_ACCEPTANCE) -> None:
         self.counts = _Counts(discount=0.98, strength=2.0)
         self.forget_factor = forget
+        self.mean = mean
 
     def at(self, position: int) -> float:
-        return self.counts.rate(position, PRIOR_ACCEPTANCE)
+        return self.counts.rate(position, self.mean)
 
     def observe(self, drafted: int, accepted: int) -> None:
         self.counts.observe(drafted, accepted, forget_unreached=self.forget_factor)

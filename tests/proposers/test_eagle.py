@@ -3,6 +3,8 @@ features, tree limits, loading through the registry, and exact sampling (chi-squ
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -36,10 +38,12 @@ from verispec.verify.tree import DraftTree
 
 
 def eagle_proposer(
-    model: HFCausalLM, drafter: EagleDrafter, nodes: int = 10, width: int = 3
+    model: HFCausalLM, drafter: EagleDrafter, nodes: int = 10, width: int = 3, expand_min_prob: float = 0.05
 ) -> EagleProposer:
     embeddings = model.model.get_input_embeddings()
-    return EagleProposer(drafter, VocabHead(model, None), embeddings, nodes=nodes, width=width)
+    return EagleProposer(
+        drafter, VocabHead(model, None), embeddings, nodes=nodes, width=width, expand_min_prob=expand_min_prob
+    )
 
 
 def eagle_engine(model: HFCausalLM, drafter: EagleDrafter, k: int = 4) -> SpecEngine:
@@ -82,7 +86,7 @@ def test_the_draft_cache_holds_every_committed_pair_with_true_features(tiny_targ
 
 def test_trees_stay_within_k_nodes_and_width(tiny_target):
     drafter, _, _ = trained(tiny_target, "eagle")
-    proposer = eagle_proposer(tiny_target, drafter, nodes=7, width=2)
+    proposer = eagle_proposer(tiny_target, drafter, nodes=7, width=2, expand_min_prob=0.0)
     ids = [1, 2, 3, 4]
     state = proposer.new_state(ids, SamplingConfig())
     assert proposer.propose(state, [9], 3).tokens.numel() == 0  # a one-token prompt: nothing yet
@@ -96,6 +100,37 @@ def test_trees_stay_within_k_nodes_and_width(tiny_target):
         assert max(tree.depths()) <= k and tree.size <= 7 and len(tree.children()[0]) <= 2
         assert tree.size == {1: 2, 2: 2 + 2 * 2, 5: 7}[k]  # level 1, then 2 expanded x 2 children
     assert state.cache.length == len(ids) - 1  # drafting left the cache alone
+
+
+def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
+    """Expansion stops at the first level whose best path probability is below expand_min_prob:
+    none past level 1 at a threshold of 1, and the drafter runs once per expanded level."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    ids = [5, 17, 42, 8, 9]
+    hidden = tiny_target.forward(
+        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+    ).hidden[0]
+    calls: list[int] = []
+    drafter.register_forward_hook(lambda *_: calls.append(1))
+    shapes = {}
+    for threshold in (0.0, 0.3, 1.0):
+        proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=threshold)
+        state = proposer.new_state(ids, SamplingConfig())
+        proposer.prefill(state, hidden)
+        proposer.propose(state, ids, 1)  # catch up on the prompt first
+        calls.clear()
+        tree = proposer.propose(state, ids, 5)
+        assert isinstance(tree, DraftTree) and tree.scores is not None
+        shapes[threshold] = (max(tree.depths()), len(calls))
+        assert len(calls) == max(tree.depths()) - 1  # one drafter pass per expanded level
+        if threshold:  # every expanded node's parent level had a node at the threshold
+            for depth in range(2, max(tree.depths()) + 1):
+                level_above = [
+                    s for s, d in zip(tree.scores.tolist(), tree.depths(), strict=True) if d == depth - 1
+                ]
+                assert max(level_above) >= math.log(threshold)
+    assert shapes[0.0] == (5, 4) and shapes[1.0] == (1, 0)
+    assert shapes[1.0][0] <= shapes[0.3][0] <= shapes[0.0][0]
 
 
 def test_registry_loads_eagle_heads_and_refuses_another_target(tmp_path, tiny_target):

@@ -8,7 +8,8 @@ to 7 bits, which turns those last-bit changes into whole quantization steps and 
 drifts (seen on SmolLM2 from the first token).
 
 Here each query position is computed by itself, over exactly the keys it may see (its causal
-prefix, cut to the sliding window on sliding layers, or its ancestors in a token tree), read from
+prefix, cut to the sliding window on sliding layers, or its ancestors in a token tree, laid out
+after the prefix like a chain for the time of its product), read from
 its own sequence's :class:`~verispec.models.kv.KVBuffer`, with matrix products whose shapes depend
 only on that position: the same operations run for position p in a plain decode step, a verify
 step or a batch of many sequences, so the result is bit-identical. Query heads that share a
@@ -76,18 +77,41 @@ def rowwise_attention(
             )
             continue
         q = query[b].reshape(kv_heads, groups, width, dim)  # [Hkv, G, S, D]
+        tree_nodes = None  # the tree's own keys and values, in node order, and its mask
+        if tree is not None:
+            tree_nodes = (keys[:, start : start + n].clone(), values[:, start : start + n].clone(), tree)
         for s in range(n):
-            if tree is None:
-                seen = start + s + 1
-                lo = max(0, seen - window) if window else 0
-                k_s, v_s = keys[:, lo:seen], values[:, lo:seen]
-            else:
-                idx = torch.cat([torch.arange(start), start + tree[s, :n].nonzero().flatten()])
-                k_s, v_s = keys.index_select(1, idx), values.index_select(1, idx)
+            path = s + 1 if tree_nodes is None else _lay_out_path(keys, values, tree_nodes, start, s)
+            seen = start + path
+            lo = max(0, seen - window) if window else 0
+            k_s, v_s = keys[:, lo:seen], values[:, lo:seen]
             scores = torch.matmul(q[:, :, s], k_s.transpose(1, 2)) * scale  # [Hkv, G, seen]
             probs = scores.float().softmax(dim=-1).to(v_s.dtype)
             out[b, s] = torch.matmul(probs, v_s)  # [Hkv, G, D]
+        if tree_nodes is not None:  # the tree's keys and values back in node order, for compaction
+            keys[:, start : start + n] = tree_nodes[0]
+            values[:, start : start + n] = tree_nodes[1]
     return out.reshape(batch, width, heads, dim), None  # [B, S, H, D], as transformers expects
+
+
+def _lay_out_path(
+    keys: torch.Tensor,  # [Hkv, capacity, D], the row's buffer
+    values: torch.Tensor,
+    tree_nodes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # keys, values [Hkv, n, D]; mask [n, n]
+    start: int,
+    query: int,  # the query's index in the tree row (0 = the root)
+) -> int:
+    """Write the query's path (root to itself) right after the cached prefix and return its length.
+
+    Its keys are then one contiguous slice, exactly as in a chain: no copy of the prefix (gathering
+    prefix and path cost ~60 ms per 1.5B forward at a 1500-token context), and the same products
+    as when the path is decoded token by token, so the result stays bit-identical."""
+    node_keys, node_values, mask = tree_nodes
+    path = mask[query, : node_keys.shape[1]].nonzero().flatten()
+    m = int(path.numel())
+    keys[:, start : start + m] = node_keys.index_select(1, path)
+    values[:, start : start + m] = node_values.index_select(1, path)
+    return m
 
 
 def _prefill_row(

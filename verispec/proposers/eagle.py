@@ -10,7 +10,10 @@ Per sequence the drafter keeps a KV cache of its true-feature pairs ``(h_j, x_{j
 2. expand (EAGLE-2): for each further level, take the ``width`` best nodes of the newest level by
    path score (summed draft log-probabilities), run them through the layer together (each attends
    to the cache, its draft ancestors and itself: a tree mask), and give each its ``width`` best
-   next tokens;
+   next tokens; stop once no node of the newest level has a path probability of
+   ``expand_min_prob``, since their children could only score lower and the depth policy keeps
+   almost no such node (1.5B, 4 HumanEval prompts: 3% of kept nodes below 0.05, a quarter of them
+   accepted), while every expansion is one more drafter pass;
 3. rerank: keep the ``nodes`` best-scoring nodes of everything expanded, at most k deep.
 
 Draft keys and values of step 2 are temporary and never enter the cache, so nothing has to be rolled
@@ -20,6 +23,7 @@ Candidates are the draft's top tokens (deterministic), so sampling verification 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -37,6 +41,10 @@ from verispec.verify.tree import DraftTree
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+
+
+EXPAND_MIN_PROB = 0.05
+"""A level whose best path probability is below this is not expanded (module docstring, step 2)."""
 
 
 @dataclass
@@ -63,10 +71,12 @@ class EagleProposer(HeadsProposer):
         nodes: int,
         width: int,
         quantize: bool = False,
+        expand_min_prob: float = EXPAND_MIN_PROB,
     ) -> None:
         super().__init__(drafter, vocab_head, nodes=nodes, width=width, quantize=quantize)
         self.drafter = drafter
         self.embeddings = embeddings
+        self.expand_min_logp = math.log(expand_min_prob) if expand_min_prob > 0 else -math.inf
 
     @classmethod
     def _target_parts(cls, target: Any) -> tuple[Any, ...]:
@@ -122,6 +132,8 @@ class EagleProposer(HeadsProposer):
         draft_v = draft_k.clone()
         for depth in range(1, k):
             chosen = sorted(level, key=lambda n: -scores[n])[: self.width]
+            if scores[chosen[0]] < self.expand_min_logp:
+                break
             past = state.cache.length + draft_k.shape[1]
             mask = torch.zeros(len(chosen), past + len(chosen), dtype=torch.bool)
             mask[:, : state.cache.length] = True

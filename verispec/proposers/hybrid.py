@@ -61,7 +61,9 @@ class HybridProposer(Proposer):
         self.heads = heads
         self.lookup = lookup
         self.name = f"{heads.name}+ngram"  # type: ignore[misc]  # one class, two registered names
-        self.prior = AcceptancePrior()
+        self.prior = AcceptancePrior(mean=0.5)
+        """Lookup's record over all sequences. Neutral where nothing is measured yet (the engine's
+        optimistic 0.8 would have lookup draft alone before it ever matched)."""
         self.description: dict[str, object] = {
             **heads.description,
             "ngram": {"max_ngram": lookup.max_ngram, "min_ngram": lookup.min_ngram},

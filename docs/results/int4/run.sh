@@ -13,9 +13,9 @@ BASELINES=${BASELINES:-llamacpp,llamacpp-pld}
 COMMON=(--target $T --draft $D --quantization int4 --threads 2)
 
 $V bench forward "${COMMON[@]}" --ks 1,2,4,8,16 --context 120 --repeats 7 --out "$OUT/forward"
-$V bench "${COMMON[@]}" --methods none,ngram,draft -k 5 --depth-policy adaptive --baselines "$BASELINES" \
+$V bench "${COMMON[@]}" --methods none,ngram,draft,eagle,eagle+ngram -k 5 --depth-policy adaptive --baselines "$BASELINES" \
     --dataset humaneval --limit 20 --max-new-tokens 128 --warmup 1 --out "$OUT/humaneval"
-$V bench "${COMMON[@]}" --methods none,ngram,draft -k 5 --depth-policy adaptive --baselines "$BASELINES" \
+$V bench "${COMMON[@]}" --methods none,ngram,draft,eagle,eagle+ngram -k 5 --depth-policy adaptive --baselines "$BASELINES" \
     --dataset spec_bench --limit 3 --max-new-tokens 128 --warmup 1 --out "$OUT/spec_bench"
 for set in humaneval spec_bench; do
     mkdir -p "docs/results/int4/$set"
