@@ -111,7 +111,7 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
         torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
     ).hidden[0]
     calls: list[int] = []
-    drafter.register_forward_hook(lambda *_: calls.append(1))
+    hook = drafter.register_forward_hook(lambda *_: calls.append(1))  # the drafter is shared: removed below
     shapes = {}
     for threshold in (0.0, 0.3, 1.0):
         proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=threshold)
@@ -129,6 +129,7 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
                     s for s, d in zip(tree.scores.tolist(), tree.depths(), strict=True) if d == depth - 1
                 ]
                 assert max(level_above) >= math.log(threshold)
+    hook.remove()
     assert shapes[0.0] == (5, 4) and shapes[1.0] == (1, 0)
     assert shapes[1.0][0] <= shapes[0.3][0] <= shapes[0.0][0]
 

@@ -27,7 +27,7 @@ import torch
 
 from verispec.heads.trees import best_subtree
 from verispec.policy import AcceptanceEstimate, AcceptancePrior
-from verispec.proposers.base import Proposer, register
+from verispec.proposers.base import Proposer, ProposerFactory, register
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.heads_base import HeadsProposer
 from verispec.proposers.medusa import MedusaProposer
@@ -62,8 +62,8 @@ class HybridProposer(Proposer):
         self.lookup = lookup
         self.name = f"{heads.name}+ngram"  # type: ignore[misc]  # one class, two registered names
         self.prior = AcceptancePrior(mean=0.5)
-        """Lookup's record over all sequences. Neutral where nothing is measured yet (the engine's
-        optimistic 0.8 would have lookup draft alone before it ever matched)."""
+        """Lookup's record over all sequences. Neutral where nothing is measured yet: the engine's
+        optimistic 0.8 would rank an unmeasured lookup branch above most of the heads' nodes."""
         self.description: dict[str, object] = {
             **heads.description,
             "ngram": {"max_ngram": lookup.max_ngram, "min_ngram": lookup.min_ngram},
@@ -146,7 +146,7 @@ def graft(tree: Draft | DraftTree, chain: Sequence[int], survival: Sequence[floa
     return best_subtree(tokens, parents, scores, len(tokens))
 
 
-def _hybrid(heads_cls: type[HeadsProposer]) -> Any:
+def _hybrid(heads_cls: type[HeadsProposer]) -> ProposerFactory:
     def build(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer:
         return HybridProposer(heads_cls.build(spec, target), NgramProposer(spec))
 
