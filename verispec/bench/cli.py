@@ -233,12 +233,14 @@ def _add_soak_parser(sub: argparse._SubParsersAction, default_target: str) -> No
     soak.add_argument(
         "--warmup", type=int, default=None, help="requests before the RSS baseline (default 2 per user)"
     )
-    soak.add_argument("--rss-tolerance-pct", type=float, default=10.0, help="RSS growth allowed, in %%")
+    soak.add_argument(
+        "--rss-tolerance-pct", type=float, default=10.0, help="RSS growth allowed, in %% (as below)"
+    )
     soak.add_argument(
         "--rss-tolerance-mb",
         type=float,
         default=100.0,
-        help="RSS growth allowed, in MB (the larger one applies)",
+        help="RSS growth allowed, in MB; the larger one applies, and the soak's second half may grow by half",
     )
 
 

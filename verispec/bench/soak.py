@@ -12,10 +12,15 @@ chunks. It then checks:
   (hang-ups included, as ``aborted`` unless they raced with the natural end);
 - the server is idle and healthy afterwards: ``/health`` is 200 and ``/metrics`` shows batch size
   0 and nothing waiting;
-- no memory growth: the server's RSS (``/proc/PID/status`` VmRSS), idle after the warm-up vs idle
-  at the end, grows by at most the larger of ``rss_tolerance_pct`` % and ``rss_tolerance_mb`` MB.
-  The warm-up sends the longest prompts at full concurrency first, so that the allocator has already
-  reached the working set's high-water mark; growth after that is memory the server kept.
+- no memory growth: the server's RSS (``/proc/PID/status`` VmRSS), idle, must stop growing. The
+  soak's requests go in two halves with the server settled in between; over the second half RSS may
+  grow by at most half the larger of ``rss_tolerance_pct`` % and ``rss_tolerance_mb`` MB. A leak
+  grows with every request, so it shows in the second half as in the first; the allocator reaching
+  its high-water mark does not. That mark is not reached after the warm-up alone (the longest
+  prompts at full concurrency, then the baseline): on SmolLM2 with prompt lookup, 200 requests, a
+  quarter hanging up, RSS grew +95 MB over the first half and +6 MB over the second (NOTES.md,
+  session 9), and the whole soak's growth, once judged, failed CI at +139 MB. It is reported, not
+  judged.
 """
 
 from __future__ import annotations
@@ -131,15 +136,17 @@ def count_outcomes(run: LevelRun) -> dict[str, int]:
     }
 
 
-def rss_check(warm: int | None, end: int | None, pct: float, mb: float) -> Check:
-    """End RSS against the post-warm-up RSS: growth allowed up to the larger of ``pct`` % and ``mb`` MB."""
-    if warm is None or end is None:
+def rss_check(warm: int | None, half: int | None, end: int | None, pct: float, mb: float) -> Check:
+    """RSS growth over the soak's second half (``half`` to ``end``): allowed up to half the larger of
+    ``pct`` % and ``mb`` MB, as that half sends half the requests (module docstring)."""
+    if warm is None or half is None or end is None:
         return Check("rss", False, "could not read the server's VmRSS from /proc")
-    allowed = max(warm * pct / 100, mb * MB)
-    growth = end - warm
+    allowed = max(half * pct / 100, mb * MB) / 2
+    growth = end - half
     detail = (
-        f"{warm / MB:.0f} MB after warm-up, {end / MB:.0f} MB at the end: {growth / MB:+.0f} MB "
-        f"(allowed +{allowed / MB:.0f} MB)"
+        f"{warm / MB:.0f} MB after warm-up, {half / MB:.0f} MB at half-time, {end / MB:.0f} MB at the "
+        f"end: {growth / MB:+.0f} MB over the second half (allowed +{allowed / MB:.0f} MB), "
+        f"{(end - warm) / MB:+.0f} MB in all"
     )
     return Check("rss", growth <= allowed, detail)
 
@@ -193,6 +200,8 @@ class Observed:
     health: int | str
     """``/health``'s status code, or why it did not answer."""
     rss_warm: int | None
+    rss_half: int | None
+    """Idle between the soak's two halves."""
     rss_end: int | None
     samples: list[tuple[float, int]]
     warm_samples: int
@@ -220,7 +229,14 @@ async def observe(server: ServerProcess, settings: SoakSettings, prompts: list[B
             before = await settle(client, settings.settle_timeout, len(warm_specs))
             rss_warm = sampler.sample()
             warm_samples = len(sampler.samples)
-            run = await run_level(client, specs, settings.concurrency)
+            half = len(specs) // 2
+            first = await run_level(client, specs[:half], settings.concurrency)
+            await settle(client, settings.settle_timeout, len(warm_specs) + half)
+            rss_half = sampler.sample()
+            second = await run_level(client, specs[half:], settings.concurrency)
+            run = LevelRun(
+                settings.concurrency, first.wall_seconds + second.wall_seconds, first.results + second.results
+            )
             after = await settle(client, settings.settle_timeout, len(warm_specs) + len(specs))
             try:
                 health: int | str = (await client.get("/health")).status_code
@@ -229,7 +245,7 @@ async def observe(server: ServerProcess, settings: SoakSettings, prompts: list[B
             rss_end = sampler.sample()
     finally:
         await sampler.stop()
-    return Observed(run, before, after, health, rss_warm, rss_end, sampler.samples, warm_samples)
+    return Observed(run, before, after, health, rss_warm, rss_half, rss_end, sampler.samples, warm_samples)
 
 
 def judge(observed: Observed, settings: SoakSettings) -> dict[str, Any]:
@@ -253,7 +269,13 @@ def judge(observed: Observed, settings: SoakSettings) -> dict[str, Any]:
         batch, waiting = observed.after.get(BATCH_SIZE), observed.after.get(WAITING)
         checks.append(Check("idle", not batch and not waiting, f"batch size {batch}, waiting {waiting}"))
     checks.append(
-        rss_check(observed.rss_warm, observed.rss_end, settings.rss_tolerance_pct, settings.rss_tolerance_mb)
+        rss_check(
+            observed.rss_warm,
+            observed.rss_half,
+            observed.rss_end,
+            settings.rss_tolerance_pct,
+            settings.rss_tolerance_mb,
+        )
     )
     completed = [r for r in run.results if r.ok and not r.disconnected]
     peak = max((b for _, b in observed.samples[observed.warm_samples :]), default=None)
@@ -267,6 +289,7 @@ def judge(observed: Observed, settings: SoakSettings) -> dict[str, Any]:
         "passed": all(c.ok for c in checks),
         "rss": {
             "after_warmup_mb": observed.rss_warm / MB if observed.rss_warm else None,
+            "half_mb": observed.rss_half / MB if observed.rss_half else None,
             "end_mb": observed.rss_end / MB if observed.rss_end else None,
             "peak_after_warmup_mb": peak / MB if peak else None,
             "samples": [(t, round(b / MB, 1)) for t, b in observed.samples],
