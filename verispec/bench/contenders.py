@@ -61,8 +61,9 @@ class EngineContender:
             self.description["ngram"] = {"max_ngram": spec.ngram.max_ngram, "min_ngram": spec.ngram.min_ngram}
         if spec.method == "draft":
             self.description["draft"] = spec.draft.model
-        if spec.method is not None and spec.method.split("+")[0] in ("medusa", "eagle"):  # heads (+ lookup)
-            self.description["heads"] = getattr(engine.proposer, "description", {})
+        heads = getattr(engine.proposer, "description", None)  # what heads proposers (+ lookup) report
+        if heads is not None:
+            self.description["heads"] = heads
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
         started = time.perf_counter()
