@@ -232,6 +232,24 @@ def test_prepare_store_extends_the_cache_it_finds(tmp_path, tiny_target, monkeyp
     assert spec.key() == bigger.key()  # one cache folder, whatever --max-tokens asks for
 
 
+def test_skip_tokens_starts_the_store_where_the_first_tokens_end(tmp_path, tiny_target, monkeypatch):
+    """--skip-tokens: heads warm-started on the stream's first N tokens go on with text they have not
+    seen; the store then holds exactly the stream's sequences after those, in their own cache."""
+    monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
+    spec = DataSpec(max_tokens=1000, sources=("stdlib",), max_seq_len=128, skip_tokens=1500)
+    store = prepare_store(tiny_target, identify(tiny_target), spec, tmp_path / "s", progress=False)
+    whole = DataSpec(max_tokens=2500, sources=("stdlib",), max_seq_len=128)
+    first, after = build_examples(ModTokenizer(), whole, 1500, progress=False)
+    later, end = build_examples(ModTokenizer(), whole, 1000, after, progress=False)
+    assert store.complete and sum(len(e.ids) for e in first) >= 1500
+    held = np.asarray(store.array("tokens")).tolist()
+    assert held == [t for e in later for t in e.ids]  # exactly the sequences after the skipped ones
+    assert store.cursor == end
+    assert spec.key() != whole.key() == DataSpec(**{**whole.to_dict(), "skip_tokens": 0}).key()
+    with pytest.raises(VerispecError, match="skip-tokens"):
+        DataSpec(skip_tokens=-1)
+
+
 def test_a_cache_of_another_model_is_refused(tmp_path, tiny_target):
     store = HiddenStore(tmp_path)
     store.extend(examples_of([3]), Cursor(), identify(tiny_target), DataSpec(), 64)

@@ -134,6 +134,48 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
     assert shapes[1.0][0] <= shapes[0.3][0] <= shapes[0.0][0]
 
 
+def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_pass_per_level(tiny_target):
+    """propose_batch: sequences of different lengths, depths and backlogs draft the same trees as one
+    by one (up to float rounding from padding), with one catch-up pass and one pass per level for the
+    whole batch, and their caches end up the same."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    prompts = [[5, 17, 42, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [11]]
+    ks = [5, 3, 4, 2]
+    proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=0.0)
+    alone = [proposer.new_state(ids, SamplingConfig()) for ids in prompts]
+    together = [proposer.new_state(ids, SamplingConfig()) for ids in prompts]
+    calls: list[int] = []
+    hook = drafter.register_forward_hook(lambda *_: calls.append(1))
+    for ids, a, b in zip(prompts[:3], alone[:3], together[:3], strict=True):
+        hidden = tiny_target.forward(
+            torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+        ).hidden[0]
+        for state in (a, b):
+            proposer.prefill(state, hidden)
+    for _ in range(2):
+        expected = [proposer.propose(s, ids, k) for s, ids, k in zip(alone, prompts, ks, strict=True)]
+        calls.clear()
+        got = proposer.propose_batch(together, prompts, ks)
+        assert len(calls) == 1 + max(ks) - 1  # one catch-up pass, then one per expanded level
+        assert got[3].tokens.numel() == 0  # a one-token prompt has no feature to draft from yet
+        for e, g in zip(expected[:3], got[:3], strict=True):
+            assert isinstance(e, DraftTree) and isinstance(g, DraftTree)
+            assert torch.equal(e.tokens, g.tokens) and torch.equal(e.parents, g.parents)
+            torch.testing.assert_close(e.scores, g.scores, rtol=1e-4, atol=1e-5)
+        assert [max(t.depths()) for t in got[:3]] == ks[:3]  # deep trees, not a vacuous match
+        for a, b in zip(alone, together, strict=True):
+            torch.testing.assert_close(a.cache.keys, b.cache.keys, rtol=1e-4, atol=1e-5)
+        # Next round: each sequence commits a different number of tokens (different backlogs).
+        for i, ids in enumerate(prompts[:3]):
+            ids.extend(range(20, 21 + i))
+            hidden = tiny_target.forward(
+                torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+            ).hidden[0, -(i + 1) :]
+            for state in (alone[i], together[i]):
+                proposer.update(state, ids, i, hidden)
+    hook.remove()
+
+
 def test_registry_loads_eagle_heads_and_refuses_another_target(tmp_path, tiny_target):
     drafter, vocab, _ = trained(tiny_target, "eagle", draft_vocab=40, epochs=2)
     save_heads(tmp_path / "eagle", "eagle", drafter, identify(tiny_target), vocab)

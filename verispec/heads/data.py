@@ -56,6 +56,9 @@ class DataSpec:
     heldout_every: int = 20
     """Every this-many-th sequence is held out (5%): accuracies are measured on those."""
     seed: int = 0
+    skip_tokens: int = 0
+    """The stream's first sequences covering this many tokens are passed over, so that heads
+    warm-started (``--init-from``) on them go on learning from text they have not seen."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.sources if s not in SOURCES]
@@ -67,13 +70,18 @@ class DataSpec:
             raise VerispecError(f"--code-fraction must be in [0, 1], got {self.code_fraction}")
         if self.max_seq_len < 16 or self.heldout_every < 2:
             raise VerispecError("max_seq_len must be >= 16 and heldout_every >= 2")
+        if self.skip_tokens < 0:
+            raise VerispecError(f"--skip-tokens must be >= 0, got {self.skip_tokens}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def key(self) -> str:
-        """The cache folder's key: everything but ``max_tokens`` (a store grows to cover more)."""
+        """The cache folder's key: everything but ``max_tokens`` (a store grows to cover more);
+        ``skip_tokens`` only where set, so stores built before it existed keep their key."""
         fields = {k: v for k, v in self.to_dict().items() if k != "max_tokens"}
+        if not self.skip_tokens:
+            del fields["skip_tokens"]
         return hashlib.sha256(json.dumps({**fields, "stream": 2}, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -508,8 +516,11 @@ def prepare_store(
     if store.tokens < spec.max_tokens:
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer; heads need text data")
+        start = store.cursor
+        if not store.meta and spec.skip_tokens:
+            _, start = build_examples(target.tokenizer, spec, spec.skip_tokens, progress=progress)
         examples, cursor = build_examples(
-            target.tokenizer, spec, spec.max_tokens - store.tokens, store.cursor, progress=progress
+            target.tokenizer, spec, spec.max_tokens - store.tokens, start, progress=progress
         )
         if not examples and not store.meta:
             raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")

@@ -590,6 +590,10 @@ def add_train_parser(sub: Any, default_target: str) -> None:
         help="training + held-out tokens (the cache grows to cover more; less uses its first sequences)",
     )  # fmt: skip
     p.add_argument(
+        "--skip-tokens", type=int, default=0,
+        help="pass over the stream's first sequences covering this many tokens (new text for --init-from)",
+    )  # fmt: skip
+    p.add_argument(
         "--data-only", action="store_true", help="compute or extend the hidden-state cache, then stop"
     )
     p.add_argument("--epochs", type=int, default=2)
@@ -659,6 +663,7 @@ def run_train(args: argparse.Namespace) -> int:
         code_fraction=args.code_fraction,
         max_seq_len=args.max_seq_len,
         seed=args.seed,
+        skip_tokens=args.skip_tokens,
     )
     from verispec.cli import load_config
 

@@ -16,6 +16,11 @@ Per sequence the drafter keeps a KV cache of its true-feature pairs ``(h_j, x_{j
    accepted), while every expansion is one more drafter pass;
 3. rerank: keep the ``nodes`` best-scoring nodes of everything expanded, at most k deep.
 
+A batch drafts together (:meth:`EagleProposer.propose_batch`): one catch-up pass for all sequences
+and one pass per level over every tree still expanding, rows and keys padded to the longest and
+masked out, then one LM-head product over all their rows. At a handful of rows a pass costs about a
+weight read, so a batch of n pays one read per level instead of n.
+
 Draft keys and values of step 2 are temporary and never enter the cache, so nothing has to be rolled
 back after verification: the true features of what was accepted come in with the next update.
 Candidates are the draft's top tokens (deterministic), so sampling verification stays exact.
@@ -101,90 +106,168 @@ class EagleProposer(HeadsProposer):
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
         return self.embeddings(torch.as_tensor(list(ids), dtype=torch.long)).float()
 
-    @torch.inference_mode()
     def propose(self, state: EagleState, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
-        self._catch_up(state, token_ids)
-        if state.last_out is None or k < 1:
-            return Draft.empty()  # a one-token prompt: no target feature yet
-        m = state.fed  # position of the first draft level's pairs
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
-        inputs: list[torch.Tensor] = []  # per node: the feature its own pair will carry
-        ancestors: list[list[int]] = []  # per node: draft KV slots of its expanded ancestors
-        slot: dict[int, int] = {}
+        return self.propose_batch([state], [token_ids], [k])[0]
 
-        def add_children(parent: int, feature: torch.Tensor, logp: torch.Tensor, base: float) -> list[int]:
-            top_logp, top_idx = logp.topk(self.width)
-            ids = self.vocab_head.to_target(top_idx).tolist()
-            new = []
-            for lp, tok in zip(top_logp.tolist(), ids, strict=True):
-                new.append(len(tokens))
-                tokens.append(tok)
-                parents.append(parent)
-                scores.append(base + lp)
-                inputs.append(feature)
-                ancestors.append([] if parent < 0 else [*ancestors[parent], slot[parent]])
-            return new
-
-        level = add_children(-1, state.last_out, self._logp(state.last_out[None])[0], 0.0)
-        draft_k = state.cache.keys.new_empty(state.cache.keys.shape[0], 0, state.cache.keys.shape[2])
-        draft_v = draft_k.clone()
-        for depth in range(1, k):
-            chosen = sorted(level, key=lambda n: -scores[n])[: self.width]
-            if scores[chosen[0]] < self.expand_min_logp:
+    @torch.inference_mode()
+    def propose_batch(
+        self, states: Sequence[EagleState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[Draft | DraftTree]:
+        """Draft every sequence's tree level by level, all sequences in one drafter pass per level
+        (and one catch-up pass): the drafter's and the LM head's weights are read once per level
+        for the batch instead of once per sequence, which is what a level costs at small row counts.
+        """
+        self._catch_up(states, token_ids)
+        trees = [
+            _Tree(state, k) if state.last_out is not None and k >= 1 else None
+            for state, k in zip(states, ks, strict=True)  # k < 1 or a one-token prompt: no draft
+        ]
+        live = [t for t in trees if t is not None]
+        if live:
+            guesses = torch.stack([t.state.last_out for t in live if t.state.last_out is not None])
+            for t, guess, logp in zip(live, guesses, self._logp(guesses), strict=True):
+                t.level = t.add_children(-1, guess, logp, 0.0, self)
+        for depth in range(1, max((t.k for t in live), default=0)):
+            expanding = []
+            for t in live:
+                if depth < t.k:
+                    chosen = sorted(t.level, key=lambda n, t=t: -t.scores[n])[: self.width]
+                    if t.scores[chosen[0]] >= self.expand_min_logp:
+                        expanding.append((t, chosen))
+            if not expanding:
                 break
-            past = state.cache.length + draft_k.shape[1]
-            mask = torch.zeros(len(chosen), past + len(chosen), dtype=torch.bool)
-            mask[:, : state.cache.length] = True
-            for row, n in enumerate(chosen):
-                mask[row, [state.cache.length + s for s in ancestors[n]]] = True
-                mask[row, past + row] = True
-                slot[n] = draft_k.shape[1] + row
-            out, new_k, new_v = self.drafter(
-                self._embed([tokens[n] for n in chosen])[None],
-                torch.stack([inputs[n] for n in chosen])[None],
-                torch.full((len(chosen),), m + depth - 1),
-                mask,
-                past=(
-                    torch.cat([state.cache.keys, draft_k], dim=1)[None],
-                    torch.cat([state.cache.values, draft_v], dim=1)[None],
-                ),
-            )
-            draft_k = torch.cat([draft_k, new_k[0]], dim=1)
-            draft_v = torch.cat([draft_v, new_v[0]], dim=1)
-            logp = self._logp(out[0])
-            level = [
-                c for row, n in enumerate(chosen) for c in add_children(n, out[0, row], logp[row], scores[n])
-            ]
-        return best_subtree(tokens, parents, scores, self.nodes)
+            out = self._expand(expanding, depth)
+            logp = self._logp(torch.cat([o[: len(c)] for o, (_, c) in zip(out, expanding, strict=True)]))
+            row = 0
+            for o, (t, chosen) in zip(out, expanding, strict=True):
+                t.level = []
+                for r, n in enumerate(chosen):
+                    t.level += t.add_children(n, o[r], logp[row], t.scores[n], self)
+                    row += 1
+        return [Draft.empty() if t is None else t.best(self.nodes) for t in trees]
+
+    def _expand(self, expanding: list[tuple[_Tree, list[int]]], depth: int) -> torch.Tensor:
+        """One drafter pass over the chosen nodes of several trees: each row attends to its
+        sequence's cache, its expanded ancestors and itself (a tree mask); rows and keys are padded
+        to the batch's longest and masked out. Returns the outputs ``[B, R, H]`` and stores each
+        tree's new draft keys/values."""
+        rows = max(len(c) for _, c in expanding)
+        pasts = [t.state.cache.length + t.draft_k.shape[1] for t, _ in expanding]
+        past = max(pasts)
+        b, h = len(expanding), self.drafter.config.hidden_size
+        embeds, features = torch.zeros(b, rows, h), torch.zeros(b, rows, h)
+        positions = torch.zeros(b, rows, dtype=torch.long)
+        mask = torch.zeros(b, rows, past + rows, dtype=torch.bool)
+        mask[:, torch.arange(rows), past + torch.arange(rows)] = True  # itself (also padded rows)
+        kv = self.drafter.config.num_key_value_heads, self.drafter.config.head_dim
+        keys, values = torch.zeros(b, kv[0], past, kv[1]), torch.zeros(b, kv[0], past, kv[1])
+        for i, (t, chosen) in enumerate(expanding):
+            cached = t.state.cache.length
+            embeds[i, : len(chosen)] = self._embed([t.tokens[n] for n in chosen])
+            features[i, : len(chosen)] = torch.stack([t.inputs[n] for n in chosen])
+            positions[i] = t.state.fed + depth - 1
+            mask[i, : len(chosen), :cached] = True
+            for r, n in enumerate(chosen):
+                mask[i, r, [cached + s for s in t.ancestors[n]]] = True
+                t.slot[n] = t.draft_k.shape[1] + r
+            keys[i, :, : pasts[i]] = torch.cat([t.state.cache.keys, t.draft_k], dim=1)
+            values[i, :, : pasts[i]] = torch.cat([t.state.cache.values, t.draft_v], dim=1)
+        out, new_k, new_v = self.drafter(embeds, features, positions, mask, past=(keys, values))
+        for i, (t, chosen) in enumerate(expanding):
+            t.draft_k = torch.cat([t.draft_k, new_k[i, :, : len(chosen)]], dim=1)
+            t.draft_v = torch.cat([t.draft_v, new_v[i, :, : len(chosen)]], dim=1)
+        return out
 
     def _logp(self, features: torch.Tensor) -> torch.Tensor:
         return self.vocab_head(features).float().log_softmax(dim=-1)
 
-    def _catch_up(self, state: EagleState, token_ids: Sequence[int]) -> None:
-        """Feed the pairs whose target features arrived since the last step (one forward)."""
-        if not state.pending:
+    def _catch_up(self, states: Sequence[EagleState], token_ids: Sequence[Sequence[int]]) -> None:
+        """Feed the pairs whose target features arrived since the last step: one forward for all
+        sequences, each row seeing its sequence's cache and its own earlier new pairs (causal),
+        padded rows and keys masked out."""
+        todo = []
+        for state, ids in zip(states, token_ids, strict=True):
+            if not state.pending:
+                continue
+            features = torch.cat(state.pending)
+            state.pending.clear()
+            if state.fed + features.shape[0] != len(ids) - 1:
+                raise RuntimeError(
+                    f"eagle proposer out of step: {state.fed + features.shape[0]} target features for "
+                    f"{len(ids)} tokens"
+                )
+            todo.append((state, ids, features))
+        if not todo:
             return
-        features = torch.cat(state.pending)
-        state.pending.clear()
-        n, start = features.shape[0], state.fed
-        if start + n != len(token_ids) - 1:
-            raise RuntimeError(
-                f"eagle proposer out of step: {start + n} target features for {len(token_ids)} tokens"
-            )
-        mask = torch.ones(n, start + n, dtype=torch.bool)
-        mask[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
-        out, keys, values = self.drafter(
-            self._embed(token_ids[start + 1 : start + n + 1])[None],
-            features[None],
-            torch.arange(start, start + n),
-            mask,
-            past=(state.cache.keys[None], state.cache.values[None]) if start else None,
+        rows = max(f.shape[0] for _, _, f in todo)
+        past = max(state.fed for state, _, _ in todo)
+        b, h = len(todo), self.drafter.config.hidden_size
+        embeds, features = torch.zeros(b, rows, h), torch.zeros(b, rows, h)
+        positions = torch.zeros(b, rows, dtype=torch.long)
+        mask = torch.zeros(b, rows, past + rows, dtype=torch.bool)
+        mask[:, :, past:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+        kv = self.drafter.config.num_key_value_heads, self.drafter.config.head_dim
+        keys, values = torch.zeros(b, kv[0], past, kv[1]), torch.zeros(b, kv[0], past, kv[1])
+        for i, (state, ids, new) in enumerate(todo):
+            n, start = new.shape[0], state.fed
+            embeds[i, :n] = self._embed(ids[start + 1 : start + n + 1])
+            features[i, :n] = new
+            positions[i] = torch.arange(start, start + rows)
+            mask[i, :, :start] = True
+            keys[i, :, :start], values[i, :, :start] = state.cache.keys, state.cache.values
+        out, new_k, new_v = self.drafter(
+            embeds, features, positions, mask, past=(keys, values) if past else None
         )
-        state.cache.append(keys[0], values[0])
-        state.fed = start + n
-        state.last_out = out[0, -1].clone()
+        for i, (state, _, new) in enumerate(todo):
+            n = new.shape[0]
+            state.cache.append(new_k[i, :, :n], new_v[i, :, :n])
+            state.fed += n
+            state.last_out = out[i, n - 1].clone()
+
+
+@dataclass
+class _Tree:
+    """One sequence's tree while it is drafted: nodes in the order they were added."""
+
+    state: EagleState
+    k: int
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    """Path scores: summed draft log-probabilities from the root."""
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    """Per node: the feature its own pair carries (its parent's drafter output)."""
+    ancestors: list[list[int]] = field(default_factory=list)
+    """Per node: the draft KV slots of its expanded ancestors."""
+    slot: dict[int, int] = field(default_factory=dict)
+    level: list[int] = field(default_factory=list)
+    """The newest level's nodes."""
+    draft_k: torch.Tensor = field(init=False)
+    draft_v: torch.Tensor = field(init=False)
+    """Keys and values ``[kv, D, d]`` of the expanded nodes (temporary, never cached)."""
+
+    def __post_init__(self) -> None:
+        cached = self.state.cache.keys
+        self.draft_k = cached.new_empty(cached.shape[0], 0, cached.shape[2])
+        self.draft_v = self.draft_k.clone()
+
+    def best(self, nodes: int) -> DraftTree:
+        return best_subtree(self.tokens, self.parents, self.scores, nodes)
+
+    def add_children(
+        self, parent: int, feature: torch.Tensor, logp: torch.Tensor, base: float, proposer: EagleProposer
+    ) -> list[int]:
+        """The ``width`` best next tokens of ``parent`` (-1: the root) as new nodes."""
+        top_logp, top_idx = logp.topk(proposer.width)
+        new = []
+        for lp, tok in zip(top_logp.tolist(), proposer.vocab_head.to_target(top_idx).tolist(), strict=True):
+            new.append(len(self.tokens))
+            self.tokens.append(tok)
+            self.parents.append(parent)
+            self.scores.append(base + lp)
+            self.inputs.append(feature)
+            self.ancestors.append([] if parent < 0 else [*self.ancestors[parent], self.slot[parent]])
+        return new
 
 
 @register("eagle")
