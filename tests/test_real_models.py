@@ -90,7 +90,7 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
 
 
 @needs_smollm2
-@pytest.mark.skipif(not cpu_supports_int4(), reason="the int4 kernel needs AVX-512 VNNI")
+@pytest.mark.skipif(not cpu_supports_int4(), reason="the int4 kernel needs AVX2 (or AVX-512 VNNI)")
 def test_smollm2_int4_target_with_an_int8_draft_is_lossless(smollm2):
     """The int4 path on a real model: 4-bit target, its int8 self as the draft (a real, different
     model), greedy speculative output equal to the int4 target's plain output."""

@@ -38,8 +38,8 @@ def add_load_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         choices=list(QUANTIZATIONS),
-        help="weights: auto = int8 for float32 on CPU (the fast path), int4 = 4-bit weights (AVX-512 "
-        "VNNI CPUs; fastest plain decoding), none = float weights",
+        help="weights: auto = int8 for float32 on CPU (the fast path), int4 = 4-bit weights (x86 "
+        "with AVX2 or AVX-512 VNNI; fastest plain decoding), none = float weights",
     )
 
 

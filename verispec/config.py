@@ -145,7 +145,7 @@ class ModelLoadConfig:
     """CPU threads for PyTorch; None keeps PyTorch's default."""
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     """Weight quantization at load: 'auto' = int8 on CPU (prepacked fbgemm kernels), none on CUDA;
-    'int4' = 4-bit weights with verispec's AVX-512 VNNI kernel (LM head int8)."""
+    'int4' = 4-bit weights with verispec's own kernel (AVX-512 VNNI or AVX2; LM head int8)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

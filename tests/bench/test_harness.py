@@ -31,7 +31,9 @@ TOP_LEVEL = {
     "schema", "created", "command", "machine", "versions", "git_commit", "settings", "models",
     "contenders", "skipped", "lossless", "wall_seconds", "resumed_records", "failed", "summary", "records",
 }  # fmt: skip
-MACHINE = {"cpu", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end"}
+MACHINE = {
+    "cpu", "isa", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end",
+}  # fmt: skip
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {
     "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram",

@@ -256,3 +256,19 @@ def test_a_cache_of_another_model_is_refused(tmp_path, tiny_target):
     other = HFCausalLM(tiny_llama(0, vocab=50), name="other")
     with pytest.raises(VerispecError, match="another model"):
         prepare_store(other, identify(other), DataSpec(), tmp_path, progress=False)
+
+
+def test_a_cache_of_the_same_model_quantized_otherwise_is_refused(tmp_path, tiny_target, monkeypatch):
+    """int8 and int4 targets give different hidden states: heads for one learn from its own, so a
+    cache records the quantization it was made with, and its default folder is named by it."""
+    monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
+    monkeypatch.setattr(tiny_target, "quantization", "int8", raising=False)
+    monkeypatch.setattr("verispec.models.registry.cache_root", lambda: tmp_path)
+    spec = DataSpec(max_tokens=1000, sources=("stdlib",), max_seq_len=128)
+    int8 = prepare_store(tiny_target, identify(tiny_target), spec, progress=False)
+    assert int8.complete and int8.meta["quantization"] == "int8" and "-int8-" in int8.folder.name
+    monkeypatch.setattr(tiny_target, "quantization", "int4")
+    with pytest.raises(VerispecError, match="int8 target, not of the int4 one"):
+        prepare_store(tiny_target, identify(tiny_target), spec, int8.folder, progress=False)
+    int4 = prepare_store(tiny_target, identify(tiny_target), spec, progress=False)
+    assert int4.folder != int8.folder and int4.meta["quantization"] == "int4"

@@ -17,7 +17,7 @@ from verispec.models.hf import HFCausalLM
 from verispec.models.int4 import Int4Linear
 from verispec.models.quant import RowwiseInt8Linear, quantize_model
 
-needs_int4 = pytest.mark.skipif(not int4.cpu_supports_int4(), reason="the int4 kernel needs AVX-512 VNNI")
+needs_int4 = pytest.mark.skipif(not int4.cpu_supports_int4(), reason="the int4 kernel needs AVX2 or AVX-512")
 KINDS = [
     pytest.param(RowwiseInt8Linear, id="int8"),
     pytest.param(Int4Linear, id="int4", marks=needs_int4),

@@ -23,7 +23,7 @@ from verispec.models.int4 import GROUP, Int4Linear, dequantize, quantize_weight
 from verispec.models.quant import RowwiseInt8Linear, quantize_model, resolve_quantization
 
 pytestmark = pytest.mark.skipif(
-    not int4.cpu_supports_int4(), reason="the int4 kernel needs AVX-512 VNNI, which this CPU lacks"
+    not int4.cpu_supports_int4(), reason="the int4 kernel needs AVX2 or AVX-512 VNNI, which this CPU lacks"
 )
 
 
@@ -73,7 +73,8 @@ def test_kernel_is_batch_invariant_to_the_bit(restore_torch_threads):
 
 def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel(restore_torch_threads):
     """Prompt rows: each row's output is the same alone or among others (to the bit, any count,
-    any position, any thread count), and within float rounding of the decode kernel's."""
+    any position, any thread count), and within float rounding of the decode kernel's (AVX-512:
+    a second kernel) or equal to it (AVX2: prompt rows take the decode kernel)."""
     q = Int4Linear.from_linear(_linear(70, 1000, seed=2))
     rows = torch.randn(29, 1000) * torch.logspace(-2, 2, 29)[:, None]
     decode = q(rows)
@@ -83,7 +84,10 @@ def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel(r
             assert torch.equal(q(rows[:m]), together[:m])
             assert torch.equal(q(rows[-m:]), together[-m:])
         assert torch.equal(q(rows.flip(0)), together.flip(0))
-    assert not torch.equal(together, decode)  # really the other kernel
+    if int4.kernel_isa() == "avx512-vnni":
+        assert not torch.equal(together, decode)  # really the other kernel
+    else:
+        assert torch.equal(together, decode)
     assert ((together - decode).norm(dim=-1) / decode.norm(dim=-1)).max() < 1e-5
     assert torch.equal(q(rows), decode)  # and the block's end restores the decode kernel
     torch.set_num_threads(1)  # the fixture gives the session its thread count back

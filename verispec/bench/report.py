@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec.bench.aggregate import Summary
+from verispec.bench.environment import describe_cpu
 from verispec.bench.harness import BenchRun
 
 SCHEMA = "verispec-bench/1"
@@ -111,7 +112,7 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         + (f", first {s.limit_per_category} per category" if s.limit_per_category else ""),
         f"- greedy, batch 1, up to {s.max_new_tokens} new tokens per turn, {s.warmup} warm-up generation(s) "
         f"per method, k = {s.num_speculative_tokens}",
-        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, {machine.get('ram_gb')} GB RAM, "
+        f"- machine: {describe_cpu(machine)}, {machine.get('ram_gb')} GB RAM, "
         f"torch threads: {machine.get('torch_threads')}, load average {_load(machine)}",
         *_busy_warning(machine),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from verispec.bench.environment import describe_cpu
 from verispec.bench.report import markdown_table
 from verispec.bench.serve_stats import LevelSummary, Spread
 
@@ -92,7 +93,7 @@ def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], 
         f"- closed loop: each of N users sends its next request when the last one ends; server "
         f"--max-batch-size {s['max_batch_size']}",
         f"- plain: {s['plain_is']}",
-        f"- machine: {machine.get('cpu')}, {machine.get('cores')} cores, server threads "
+        f"- machine: {describe_cpu(machine)}, server threads "
         f"{s.get('threads') or 'default'}; load average {machine.get('load_average')} at the start, "
         f"{machine.get('load_average_end')} at the end",
         "- the load generator runs on the same machine as the server and takes some of its CPU",

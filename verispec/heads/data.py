@@ -506,13 +506,23 @@ def prepare_store(
 ) -> HiddenStore:
     """A complete hidden-state cache covering ``spec.max_tokens`` for ``target``: reused, resumed,
     extended with the stream's next sequences, or built."""
+    # The int8 and int4 paths give different hidden states for the same model: heads for one are
+    # trained on its own features, so the quantization names the cache and is checked on reuse.
+    quantization = str(getattr(target, "quantization", "none"))
     if cache_dir is None:
         from verispec.models.registry import cache_root
 
-        cache_dir = cache_root() / "heads-data" / f"{identity.name}-{identity.short}-{spec.key()}"
+        name = f"{identity.name}-{quantization}-{identity.short}-{spec.key()}"
+        cache_dir = cache_root() / "heads-data" / name
     store = HiddenStore.open(cache_dir)
     if store.meta and store.meta.get("target", {}).get("config_sha256") != identity.config_sha256:
         raise VerispecError(f"{cache_dir} holds hidden states of another model; pass another --cache-dir")
+    held = store.meta.get("quantization", quantization) if store.meta else quantization
+    if held != quantization:
+        raise VerispecError(
+            f"{cache_dir} holds hidden states of the {held} target, not of the {quantization} one; "
+            "pass another --cache-dir or load the target as the cache was made"
+        )
     if store.tokens < spec.max_tokens:
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer; heads need text data")
@@ -526,6 +536,7 @@ def prepare_store(
             raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")
         if examples:
             store.extend(examples, cursor, identity, spec, target.hidden_size)
+            store.meta.setdefault("quantization", quantization)
         if store.tokens < spec.max_tokens:
             print(f"the data sources ran out at {store.tokens} of {spec.max_tokens} tokens", file=sys.stderr)
     if not store.complete:

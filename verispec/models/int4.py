@@ -4,9 +4,10 @@ Decoding one token reads every weight once, and on this project's 2-core machine
 Linears run at about the memory bandwidth (1.55 GB for the 1.5B in 46 ms), which is why it decodes
 at ~0.55x llama.cpp's Q4_K_M speed. 4-bit codes in groups of 64 inputs with a float16 scale and
 offset read 4.5 bits per weight, as Q4_K does. torch's own CPU int4 kernels are compute-bound here
-(see ``kernels/int4_linear.cpp``), so verispec compiles a small AVX-512 VNNI kernel of its own on
-first use (with the g++ and ninja that ``torch.utils.cpp_extension`` needs) and caches the build
-under verispec's cache folder.
+(see ``kernels/int4_linear.cpp``), so verispec compiles a small kernel of its own on first use (with
+the g++ and ninja that ``torch.utils.cpp_extension`` needs), for the CPU it runs on: AVX-512 VNNI
+where the CPU has it, else AVX2 (the same weights and format; llama.cpp's x86 paths split the same
+way), and caches the build under verispec's cache folder.
 
 Each group's scale and offset are chosen by a search over a few clippings of its range, then refit
 by least squares to the codes (llama.cpp's k-quants do both). Groups of 64 rather than 128 halve
@@ -44,9 +45,17 @@ _REFINE = 4
 layers it cuts the squared error by 5-10% over the best clipping alone."""
 
 _SOURCE = Path(__file__).parent / "kernels" / "int4_linear.cpp"
-_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c")
-_FLAGS += ("-ffp-contract=off",)
-_FLAGS += ("-fopenmp",)  # ATen's parallel_for is OpenMP in torch's CPU wheels
+_ISA_FLAGS = {
+    "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
+"""Compiler flags per instruction set the kernel is built for (best first)."""
+_ISA_CPUINFO = {
+    "avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", " fma ", " f16c "),
+    "avx2": (" avx2 ", " fma ", " f16c "),
+}
+"""The /proc/cpuinfo flags each needs."""
+_COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # ATen's parallel_for is OpenMP in torch's wheels
 """-ffp-contract=off: no multiply-add fused in one code path and not another (batch invariance)."""
 _lock = threading.Lock()
 _PROMPT_ROWS: ContextVar[bool] = ContextVar("verispec_int4_prompt_rows", default=False)
@@ -54,19 +63,30 @@ _loaded: bool | None = None
 _load_error: str = ""
 
 
-def cpu_supports_int4() -> bool:
-    """The kernel needs AVX-512 (F, BW, VL), VNNI, FMA and F16C."""
+def kernel_isa() -> str | None:
+    """The instruction set the kernel is built for on this CPU: ``avx512-vnni`` (AVX-512 F/BW/VL,
+    VNNI, FMA, F16C), else ``avx2`` (AVX2, FMA, F16C), else None (no int4 here)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
+        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore").replace("\t", " ")
     except OSError:
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", " fma ", " f16c "))
+        return None
+    flags = flags.replace("\n", " \n")
+    return next((isa for isa, need in _ISA_CPUINFO.items() if all(f in flags for f in need)), None)
+
+
+def cpu_supports_int4() -> bool:
+    return kernel_isa() is not None
+
+
+def _flags() -> tuple[str, ...]:
+    isa = kernel_isa()
+    return _COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ())
 
 
 def kernel_key() -> str:
     """Names this build of the kernel (source, torch, flags): its build folder, and part of the
     measured step costs' key, since a changed kernel changes what each depth costs."""
-    stamp = _SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_FLAGS).encode()
+    stamp = _SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_flags()).encode()
     return hashlib.sha256(stamp).hexdigest()[:16]
 
 
@@ -82,7 +102,7 @@ def ensure_kernel() -> None:
     with _lock:
         if _loaded is None:
             if not cpu_supports_int4():
-                _loaded, _load_error = False, "this CPU lacks AVX-512 VNNI (see /proc/cpuinfo)"
+                _loaded, _load_error = False, "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
             else:
                 try:
                     from torch.utils.cpp_extension import load
@@ -92,7 +112,7 @@ def ensure_kernel() -> None:
                     load(
                         name="verispec_int4",
                         sources=[str(_SOURCE)],
-                        extra_cflags=list(_FLAGS),
+                        extra_cflags=list(_flags()),
                         extra_ldflags=["-fopenmp"],
                         build_directory=str(build),
                         is_python_module=False,
@@ -111,11 +131,13 @@ def prompt_rows() -> Iterator[None]:
 
     A prompt feeds tens to hundreds of rows at once, where the decode kernel's per-row work makes
     the int4 path slow (~11 ms per prompt token on the 1.5B); the many-row kernel unpacks each
-    weight tile once and is ~1.3-1.5x faster per row. Its rows are independent of each other, but
-    its float order differs from the decode kernel's, so only tokens that are always fed this way
-    may come here: the engine's prefill of prompt tokens, which is the same whether it speculates
-    or not (:meth:`~verispec.models.hf.HFCausalLM.forward_batch` enters this block for passes that
-    keep no logits). Decode and verify rows never do, so they stay bit-identical to each other.
+    weight tile once and is ~1.3-1.5x faster per row. (It exists for AVX-512 VNNI only: the AVX2
+    build runs prompt rows through its decode kernel, bit-identical to decode rows.) Its rows are
+    independent of each other, but its float order differs from the decode kernel's, so only
+    tokens that are always fed this way may come here: the engine's prefill of prompt tokens,
+    which is the same whether it speculates or not
+    (:meth:`~verispec.models.hf.HFCausalLM.forward_batch` enters this block for passes that keep
+    no logits). Decode and verify rows never do, so they stay bit-identical to each other.
     """
     token = _PROMPT_ROWS.set(True)
     try:
@@ -190,7 +212,7 @@ def dequantize(
 
 
 class Int4Linear(nn.Module):
-    """A Linear with 4-bit weights run by verispec's VNNI kernel; each row's result is independent
+    """A Linear with 4-bit weights run by verispec's kernel; each row's result is independent
     of the other rows in the call, to the bit (see the kernel's header)."""
 
     def __init__(

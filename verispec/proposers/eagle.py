@@ -170,8 +170,8 @@ class EagleProposer(HeadsProposer):
             for r, n in enumerate(chosen):
                 mask[i, r, [cached + s for s in t.ancestors[n]]] = True
                 t.slot[n] = t.draft_k.shape[1] + r
-            keys[i, :, : pasts[i]] = torch.cat([t.state.cache.keys, t.draft_k], dim=1)
-            values[i, :, : pasts[i]] = torch.cat([t.state.cache.values, t.draft_v], dim=1)
+            keys[i, :, :cached], keys[i, :, cached : pasts[i]] = t.state.cache.keys, t.draft_k
+            values[i, :, :cached], values[i, :, cached : pasts[i]] = t.state.cache.values, t.draft_v
         out, new_k, new_v = self.drafter(embeds, features, positions, mask, past=(keys, values))
         for i, (t, chosen) in enumerate(expanding):
             t.draft_k = torch.cat([t.draft_k, new_k[i, :, : len(chosen)]], dim=1)
