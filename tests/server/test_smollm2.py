@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, needs_smollm2]
 MESSAGES = [
     {
         "role": "user",
-        "content": "Repeat this list exactly, twice: red apple, green pear, yellow banana, purple plum.",
+        "content": "Copy this sentence exactly: The quick brown fox jumps over the lazy dog.",
     }
 ]
 
@@ -49,7 +49,9 @@ def chat(server: LiveServer, speculation: dict[str, Any]) -> tuple[str, dict[str
 def test_speculation_on_and_off_agree_and_drafts_are_accepted(server):
     on_text, on_stats, on_drafted = chat(server, {"enabled": True})
     off_text, off_stats, off_drafted = chat(server, {"enabled": False})
-    assert on_text == off_text and "apple" in on_text
+    # A plain copy of the prompt, which SmolLM2 makes whatever the CPU's kernels (asked to repeat a
+    # list twice, it did on AVX-512 machines and apologised instead on an AVX2 one).
+    assert on_text == off_text and "lazy dog" in on_text and "<|im_" not in on_text
     assert on_stats["accepted"] > 0 and on_stats["mean_accepted_length"] > 1.0 and on_drafted > 0
     assert off_stats["drafted"] == 0 and off_drafted == 0
     full = server.client().chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=48)

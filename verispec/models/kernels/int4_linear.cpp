@@ -158,6 +158,19 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, 
   });
 }
 
+// Channel block nb's share of the weight arrays: its groups, first channel, codes, scales, offsets.
+struct Block {
+  int64_t groups, n0;
+  const uint8_t* codes;
+  const uint16_t *scales, *offsets;
+};
+
+inline Block block_of(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, int64_t nb, int64_t Kp) {
+  const int64_t groups = Kp / kGroup;
+  return {groups, nb * kColBlock, w + nb * groups * kGroupBytes, ws + nb * groups * kColBlock,
+          wo + nb * groups * kColBlock};
+}
+
 #if VERISPEC_AVX512
 // Output channels [4 nb, 4 nb + 4) for activation rows [m0, m0 + ROWS). Each 128-bit lane holds
 // one channel, so one VNNI product covers 16 inputs of 4 channels against 16 activation bytes
@@ -171,11 +184,7 @@ template <int64_t ROWS>
 void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_t* q, const float* xs,
            const float* gsum, const float* bias, float* y, int64_t nb, int64_t m0, int64_t N,
            int64_t Kp) {
-  const int64_t groups = Kp / kGroup;
-  const int64_t n0 = nb * kColBlock;
-  const uint8_t* wb = w + nb * groups * kGroupBytes;
-  const uint16_t* sb = ws + nb * groups * kColBlock;
-  const uint16_t* ob = wo + nb * groups * kColBlock;
+  const auto [groups, n0, wb, sb, ob] = block_of(w, ws, wo, nb, Kp);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   // Lane 4i+j takes element i: channel j's scale in its 128-bit lane below, group i's activation
   // sum in the offset term.
@@ -239,21 +248,6 @@ void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_
   }
 }
 
-// The row count is a template argument so that the accumulators live in registers.
-template <typename... Args>
-void dispatch(int64_t rows, Args... args) {
-  switch (rows) {
-    case 1: block<1>(args...); break;
-    case 2: block<2>(args...); break;
-    case 3: block<3>(args...); break;
-    case 4: block<4>(args...); break;
-    case 5: block<5>(args...); break;
-    case 6: block<6>(args...); break;
-    case 7: block<7>(args...); break;
-    default: block<8>(args...); break;
-  }
-}
-
 #else  // AVX2
 
 // The decode kernel without VNNI, as llama.cpp's AVX2 q4 x q8 dot products: u8 x s8 products
@@ -265,11 +259,7 @@ template <int64_t ROWS>
 void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_t* q, const float* xs,
            const float* gsum, const float* bias, float* y, int64_t nb, int64_t m0, int64_t N,
            int64_t Kp) {
-  const int64_t groups = Kp / kGroup;
-  const int64_t n0 = nb * kColBlock;
-  const uint8_t* wb = w + nb * groups * kGroupBytes;
-  const uint16_t* sb = ws + nb * groups * kColBlock;
-  const uint16_t* ob = wo + nb * groups * kColBlock;
+  const auto [groups, n0, wb, sb, ob] = block_of(w, ws, wo, nb, Kp);
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1);
   // Half h's 128-bit lanes are channels 2h and 2h + 1: their scales, each over its lane.
   const __m256i lanes_of[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
@@ -333,17 +323,17 @@ void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_
   }
 }
 
-template <typename... Args>
-void dispatch(int64_t rows, Args... args) {
-  switch (rows) {
-    case 1: block<1>(args...); break;
-    case 2: block<2>(args...); break;
-    case 3: block<3>(args...); break;
-    default: block<4>(args...); break;
-  }
-}
-
 #endif
+
+// rows <= ROWS activation rows through block<rows>: the row count is a template argument so that
+// the accumulators live in registers.
+template <int64_t ROWS, typename... Args>
+void dispatch(int64_t rows, Args... args) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return dispatch<ROWS - 1>(rows, args...);
+  }
+  block<ROWS>(args...);
+}
 
 #if VERISPEC_AVX512
 // ---------------------------------------------------------------------------------------------
@@ -514,8 +504,8 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock)
-        dispatch(std::min(kRowBlock, M - m0), w, ws, wo, q.data(), xs.data(), gsum.data(), bptr, yp,
-                 nb, m0, N, Kp);
+        dispatch<kRowBlock>(std::min(kRowBlock, M - m0), w, ws, wo, q.data(), xs.data(), gsum.data(),
+                            bptr, yp, nb, m0, N, Kp);
   });
   return y.reshape(out_shape);
 }

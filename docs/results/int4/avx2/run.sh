@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Session 11: the int4 path on an AVX2-only machine (AMD EPYC Zen 3) against llama.cpp, then int8.
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+V=.venv/bin/verispec
+COMMON=(--target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --threads 2
+        -k 5 --depth-policy adaptive --dataset humaneval --limit 10 --max-new-tokens 128 --warmup 1)
+$V bench "${COMMON[@]}" --quantization int4 --methods none,ngram,eagle,eagle+ngram --baselines llamacpp,llamacpp-pld --out ${OUT:-results/int4-avx2}/int4
+$V bench "${COMMON[@]}" --quantization int8 --methods none,ngram,eagle,eagle+ngram --out ${OUT:-results/int4-avx2}/int8
