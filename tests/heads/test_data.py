@@ -267,6 +267,7 @@ def test_a_cache_of_the_same_model_quantized_otherwise_is_refused(tmp_path, tiny
     spec = DataSpec(max_tokens=1000, sources=("stdlib",), max_seq_len=128)
     int8 = prepare_store(tiny_target, identify(tiny_target), spec, progress=False)
     assert int8.complete and int8.meta["quantization"] == "int8" and "-int8-" in int8.folder.name
+    assert HiddenStore.open(int8.folder).meta["quantization"] == "int8"  # on disk from the start
     monkeypatch.setattr(tiny_target, "quantization", "int4")
     with pytest.raises(VerispecError, match="int8 target, not of the int4 one"):
         prepare_store(tiny_target, identify(tiny_target), spec, int8.folder, progress=False)

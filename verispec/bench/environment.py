@@ -22,7 +22,7 @@ def machine() -> dict[str, object]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "cpu": _cpu_model(),
-        "isa": vector_isa(_cpu_flags()),
+        "isa": vector_isa(_cpuinfo_field("flags") or ""),
         "cores": os.cpu_count(),
         "ram_gb": _ram_gb(),
         "torch_threads": torch.get_num_threads(),
@@ -69,24 +69,19 @@ def git_commit(root: Path = REPO_ROOT) -> str | None:
     return commit if done.returncode == 0 and commit else None
 
 
-def _cpu_model() -> str | None:
+def _cpuinfo_field(name: str) -> str | None:
+    """The first ``name : value`` line's value in /proc/cpuinfo (None: no such line or file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or None
+    return None
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1]
-    except OSError:
-        pass
-    return ""
+def _cpu_model() -> str | None:
+    return _cpuinfo_field("model name") or platform.processor() or None
 
 
 def vector_isa(flags: str) -> str | None:

@@ -344,8 +344,11 @@ class HiddenStore:
         identity: TargetIdentity,
         spec: DataSpec,
         hidden_size: int,
+        *,
+        quantization: str = "none",
     ) -> None:
         """Append ``examples`` (hidden states still to be computed; :meth:`fill` does that).
+        ``quantization``: the target's, recorded by a new store (its hidden states depend on it).
 
         The grown arrays are written beside the store with the cached part copied in, then swapped in
         by renaming folders, so an interruption leaves the old store or the new one, never a mix.
@@ -390,6 +393,7 @@ class HiddenStore:
             del out
         meta = self.meta or {
             "target": identity.to_dict(),
+            "quantization": quantization,
             "data": {k: v for k, v in spec.to_dict().items() if k != "max_tokens"},
             "done": 0,
             "seconds": 0.0,
@@ -535,8 +539,7 @@ def prepare_store(
         if not examples and not store.meta:
             raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")
         if examples:
-            store.extend(examples, cursor, identity, spec, target.hidden_size)
-            store.meta.setdefault("quantization", quantization)
+            store.extend(examples, cursor, identity, spec, target.hidden_size, quantization=quantization)
         if store.tokens < spec.max_tokens:
             print(f"the data sources ran out at {store.tokens} of {spec.max_tokens} tokens", file=sys.stderr)
     if not store.complete:

@@ -19,6 +19,7 @@ at 6 bits for the same reason. Quality against float32: ``verispec bench quality
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections.abc import Iterator
@@ -63,6 +64,7 @@ _loaded: bool | None = None
 _load_error: str = ""
 
 
+@functools.cache
 def kernel_isa() -> str | None:
     """The instruction set the kernel is built for on this CPU: ``avx512-vnni`` (AVX-512 F/BW/VL,
     VNNI, FMA, F16C), else ``avx2`` (AVX2, FMA, F16C), else None (no int4 here)."""

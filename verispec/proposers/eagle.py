@@ -154,13 +154,8 @@ class EagleProposer(HeadsProposer):
         rows = max(len(c) for _, c in expanding)
         pasts = [t.state.cache.length + t.draft_k.shape[1] for t, _ in expanding]
         past = max(pasts)
-        b, h = len(expanding), self.drafter.config.hidden_size
-        embeds, features = torch.zeros(b, rows, h), torch.zeros(b, rows, h)
-        positions = torch.zeros(b, rows, dtype=torch.long)
-        mask = torch.zeros(b, rows, past + rows, dtype=torch.bool)
+        embeds, features, positions, mask, keys, values = self._padded(len(expanding), rows, past)
         mask[:, torch.arange(rows), past + torch.arange(rows)] = True  # itself (also padded rows)
-        kv = self.drafter.config.num_key_value_heads, self.drafter.config.head_dim
-        keys, values = torch.zeros(b, kv[0], past, kv[1]), torch.zeros(b, kv[0], past, kv[1])
         for i, (t, chosen) in enumerate(expanding):
             cached = t.state.cache.length
             embeds[i, : len(chosen)] = self._embed([t.tokens[n] for n in chosen])
@@ -177,6 +172,21 @@ class EagleProposer(HeadsProposer):
             t.draft_k = torch.cat([t.draft_k, new_k[i, :, : len(chosen)]], dim=1)
             t.draft_v = torch.cat([t.draft_v, new_v[i, :, : len(chosen)]], dim=1)
         return out
+
+    def _padded(self, b: int, rows: int, past: int) -> tuple[torch.Tensor, ...]:
+        """Zeroed drafter inputs for ``b`` sequences padded to ``rows`` new pairs and ``past`` cached
+        keys: embeddings and features ``[b, rows, H]``, positions ``[b, rows]``, a mask with nothing
+        visible ``[b, rows, past + rows]``, and keys and values ``[b, kv, past, d]``."""
+        cfg = self.drafter.config
+        h, kv, d = cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim
+        return (
+            torch.zeros(b, rows, h),
+            torch.zeros(b, rows, h),
+            torch.zeros(b, rows, dtype=torch.long),
+            torch.zeros(b, rows, past + rows, dtype=torch.bool),
+            torch.zeros(b, kv, past, d),
+            torch.zeros(b, kv, past, d),
+        )
 
     def _logp(self, features: torch.Tensor) -> torch.Tensor:
         return self.vocab_head(features).float().log_softmax(dim=-1)
@@ -201,13 +211,8 @@ class EagleProposer(HeadsProposer):
             return
         rows = max(f.shape[0] for _, _, f in todo)
         past = max(state.fed for state, _, _ in todo)
-        b, h = len(todo), self.drafter.config.hidden_size
-        embeds, features = torch.zeros(b, rows, h), torch.zeros(b, rows, h)
-        positions = torch.zeros(b, rows, dtype=torch.long)
-        mask = torch.zeros(b, rows, past + rows, dtype=torch.bool)
+        embeds, features, positions, mask, keys, values = self._padded(len(todo), rows, past)
         mask[:, :, past:] = torch.ones(rows, rows, dtype=torch.bool).tril()
-        kv = self.drafter.config.num_key_value_heads, self.drafter.config.head_dim
-        keys, values = torch.zeros(b, kv[0], past, kv[1]), torch.zeros(b, kv[0], past, kv[1])
         for i, (state, ids, new) in enumerate(todo):
             n, start = new.shape[0], state.fed
             embeds[i, :n] = self._embed(ids[start + 1 : start + n + 1])

@@ -63,6 +63,16 @@ constexpr int64_t kGroupBytes = kColBlock * kGroup / 2;  // one block's group: 4
 constexpr int64_t kVectors = kGroup / 32;  // 64-byte weight vectors per block and group
 static_assert(kGroup == 64, "quantize_row sums a group as one 64-byte vector");
 
+// Values k..K-1 one by one (what the vector loops leave), as those round them, then zeros up to Kp.
+void quantize_tail(const float* row, int64_t k, int64_t K, int64_t Kp, float inv, int8_t* out) {
+  for (; k < K; ++k) {
+    float v = std::nearbyint(row[k] * inv);
+    v = std::fmin(127.f, std::fmax(-127.f, v));
+    out[k] = static_cast<int8_t>(v);
+  }
+  for (k = K; k < Kp; ++k) out[k] = 0;
+}
+
 // Per-row symmetric int8 quantization of x [M, K] into q [M, Kp] (zero padded), with each row's
 // scale and each group's sum of quantized activations (the offset term's factor, as a float: exact
 // for these small integers, and the kernel then needs no conversion per group and row). Vectorized
@@ -85,12 +95,7 @@ void quantize_row(const float* row, int64_t K, int64_t Kp, int8_t* out, float* s
     v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
   }
-  for (; k < K; ++k) {
-    float v = std::nearbyint(row[k] * inv);
-    v = std::fmin(127.f, std::fmax(-127.f, v));
-    out[k] = static_cast<int8_t>(v);
-  }
-  for (k = K; k < Kp; ++k) out[k] = 0;
+  quantize_tail(row, k, K, Kp, inv, out);
   for (int64_t g = 0; g < groups; ++g) {
     const __m512i bytes = _mm512_loadu_si512(out + g * kGroup);  // kGroup = 64 int8
     const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), bytes);
@@ -128,12 +133,7 @@ void quantize_row(const float* row, int64_t K, int64_t Kp, int8_t* out, float* s
     const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(a, b), order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), packed);
   }
-  for (; k < K; ++k) {
-    float v = std::nearbyint(row[k] * inv);
-    v = std::fmin(127.f, std::fmax(-127.f, v));
-    out[k] = static_cast<int8_t>(v);
-  }
-  for (k = K; k < Kp; ++k) out[k] = 0;
+  quantize_tail(row, k, K, Kp, inv, out);
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + g * kGroup));
