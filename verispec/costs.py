@@ -256,8 +256,15 @@ def _tuples(d: dict[str, list]) -> dict[str, tuple]:
 
 
 def _identity(target: CausalLM, draft: CausalLM | None) -> str:
-    """Model names, shapes, quantization (with the int4 kernel's build) and threads: what changes a
-    forward's cost."""
+    """Model names, shapes, quantization (with the int4 kernel's build), the attention's build and
+    threads: what changes a forward's cost."""
+    from verispec.models import attention as attention_module
+    from verispec.models import native
+
+    # Decode and verify steps run the C++ attention where it is on: its build changes their cost.
+    attention = ""
+    if attention_module.use_native:
+        attention = f"-a{native.build_key(attention_module.NATIVE_SOURCE)[:8]}"
 
     def one(m: CausalLM) -> str:
         quant = getattr(m, "quantization", "none")
@@ -266,7 +273,8 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
 
             quant = f"int4{kernel_key()[:8]}"
         params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0
-        return f"{m.name}-{m.vocab_size}-{m.hidden_size}-{params}-{quant}-{m.device}".replace("/", "_")
+        shape = f"{m.vocab_size}-{m.hidden_size}-{params}"
+        return f"{m.name}-{shape}-{quant}-{m.device}{attention}".replace("/", "_")
 
     draft_part = f"+{one(draft)}" if draft is not None else ""
     return f"{one(target)}{draft_part}-t{torch.get_num_threads()}-v{_COSTS_VERSION}"

@@ -192,7 +192,10 @@ def test_int4_weights_are_cached_and_reused(tmp_path):
 def test_int4_where_it_cannot_run_is_a_clear_error(monkeypatch):
     with pytest.raises(VerispecError, match="int4"):
         resolve_quantization("int4", "cuda", "float32")
-    monkeypatch.setattr(int4, "_loaded", None)
     monkeypatch.setattr(int4, "cpu_supports_int4", lambda: False)
     with pytest.raises(VerispecError, match="AVX-512 VNNI"):
+        Int4Linear.from_linear(_linear(8, 128, seed=0))
+    monkeypatch.setattr(int4, "cpu_supports_int4", lambda: True)
+    monkeypatch.setattr(int4.native, "load", lambda source: f"building {source} failed: no g++")
+    with pytest.raises(VerispecError, match=r"int4_linear\.cpp failed: no g\+\+; use int8"):
         Int4Linear.from_linear(_linear(8, 128, seed=0))

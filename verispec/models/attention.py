@@ -16,6 +16,12 @@ step or a batch of many sequences, so the result is bit-identical. Query heads t
 key/value head are computed together (a fixed group size), so the cost is one small product per
 position and layer, small next to the Linears at decode lengths.
 
+Decode and verify rows in float32 on CPU run all their positions in one C++ call per layer
+(``kernels/rowwise_attention.cpp``, same rule: each position's loops depend on that position
+alone), since the Python loop's ~10 small torch operations per position and layer cost more than
+their arithmetic; elsewhere (other dtypes, CUDA, no compiler) the Python loop below runs. The two
+round differently in the last bits, so one process uses one of them throughout.
+
 A long prefill would pay a Python loop over thousands of positions, so a row with more than
 :data:`ROWWISE_MAX_QUERIES` new tokens uses SDPA. That is safe because the engine prefills every
 prompt the same way whether it speculates or not (all prompt tokens but the last, in chunks fixed
@@ -29,6 +35,8 @@ transformers' SDPA.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,9 +44,15 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from verispec.config import MAX_SPECULATIVE_TOKENS
+from verispec.models import native
 from verispec.models.kv import RowBatch
 
 NAME = "verispec_rowwise"
+use_native = True
+"""Run decode and verify rows through ``kernels/rowwise_attention.cpp`` (one call per row and layer)
+where it builds; False keeps the Python loop over positions (the reference the tests compare to)."""
+NATIVE_SOURCE = "rowwise_attention.cpp"
+_native_error: str | None = None  # None: not tried yet; "": loaded
 ROWWISE_MAX_QUERIES = MAX_SPECULATIVE_TOKENS + 2
 """Decode and verify steps feed at most k + 2 tokens (a pending token the draft lags by, the last
 committed token and k drafts); longer rows are prefills and take SDPA."""
@@ -76,6 +90,11 @@ def rowwise_attention(
                 n, kv_heads, groups, dim
             )
             continue
+        if _native_ready(query, keys):
+            out[b, :n] = torch.ops.verispec_attention.rowwise_attention(
+                query[b, :, :n], keys, values, start, window or 0, tree, scale
+            ).view(n, kv_heads, groups, dim)
+            continue
         q = query[b].reshape(kv_heads, groups, width, dim)  # [Hkv, G, S, D]
         tree_nodes = None  # the tree's own keys and values, in node order, and its mask
         if tree is not None:
@@ -92,6 +111,23 @@ def rowwise_attention(
             keys[:, start : start + n] = tree_nodes[0]
             values[:, start : start + n] = tree_nodes[1]
     return out.reshape(batch, width, heads, dim), None  # [B, S, H, D], as transformers expects
+
+
+def _native_ready(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether this row runs verispec's C++ attention (float32 on CPU, where it builds)."""
+    global _native_error
+    if (
+        not use_native
+        or query.dtype != torch.float32
+        or keys.dtype != torch.float32
+        or query.device.type != "cpu"
+    ):
+        return False
+    if _native_error is None:
+        _native_error = native.load(NATIVE_SOURCE) or ""
+        if _native_error:
+            warnings.warn(f"{_native_error}; decode rows use the Python attention loop", stacklevel=2)
+    return not _native_error
 
 
 def _lay_out_path(

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
+from verispec.models import lean
 from verispec.models.attention import register as register_attention
 from verispec.models.base import BatchOutput, ForwardOutput
 from verispec.models.int4 import prompt_rows
@@ -55,6 +56,9 @@ class HFCausalLM:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.load_seconds = 0.0
         self.quantization = "none"
+        self.lean = lean.supports(self.decoder)
+        """Run the decoder with :func:`verispec.models.lean.forward` (same bits, less Python);
+        False runs transformers' own forward."""
 
     def new_cache(self) -> KVBuffer:
         return KVBuffer()
@@ -121,18 +125,21 @@ class HFCausalLM:
             else:
                 position_ids[b] = torch.arange(starts[b], starts[b] + width)
         rows = RowBatch(caches=caches, starts=starts, lengths=lengths, tree_masks=tree_masks)
+        input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         with prompt_rows() if not any(logits_to_keep) else nullcontext():
-            out = self.decoder(
-                input_ids=input_ids.to(self.device),
-                position_ids=position_ids.to(self.device),
-                attention_mask=_NO_MASKS,
-                use_cache=True,
-                verispec_rows=rows,
-                **{self._cache_kwarg: rows},
-            )
+            if self.lean:
+                hidden = lean.forward(self.decoder, input_ids, position_ids, rows)  # [B, S, H]
+            else:
+                hidden = self.decoder(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=_NO_MASKS,
+                    use_cache=True,
+                    verispec_rows=rows,
+                    **{self._cache_kwarg: rows},
+                ).last_hidden_state
         for cache, n in zip(caches, lengths, strict=True):
             cache.advance(n)
-        hidden = out.last_hidden_state  # [B, S, H]
         kept = [hidden[b, n - k : n] for b, (n, k) in enumerate(zip(lengths, logits_to_keep, strict=True))]
         flat = torch.cat(kept)  # [sum keep, H]
         logits = self.lm_head(flat).float() if flat.shape[0] else flat.new_zeros(0, self.vocab_size)

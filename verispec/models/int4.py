@@ -19,18 +19,15 @@ at 6 bits for the same reason. Quality against float32: ``verispec bench quality
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from verispec.errors import VerispecError
+from verispec.models import native
 
 GROUP = 64
 """Inputs per quantization group (the kernel's unit; inputs are zero-padded to a multiple)."""
@@ -45,86 +42,33 @@ _REFINE = 4
 """Rounds of refitting each group's scale and offset by least squares to its codes: on the 1.5B's
 layers it cuts the squared error by 5-10% over the best clipping alone."""
 
-_SOURCE = Path(__file__).parent / "kernels" / "int4_linear.cpp"
-_ISA_FLAGS = {
-    "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"),
-    "avx2": ("-mavx2", "-mfma", "-mf16c"),
-}
-"""Compiler flags per instruction set the kernel is built for (best first)."""
-_ISA_CPUINFO = {
-    "avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", " fma ", " f16c "),
-    "avx2": (" avx2 ", " fma ", " f16c "),
-}
-"""The /proc/cpuinfo flags each needs."""
-_COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # ATen's parallel_for is OpenMP in torch's wheels
-"""-ffp-contract=off: no multiply-add fused in one code path and not another (batch invariance)."""
-_lock = threading.Lock()
+_SOURCE = "int4_linear.cpp"
 _PROMPT_ROWS: ContextVar[bool] = ContextVar("verispec_int4_prompt_rows", default=False)
-_loaded: bool | None = None
-_load_error: str = ""
 
 
-@functools.cache
 def kernel_isa() -> str | None:
-    """The instruction set the kernel is built for on this CPU: ``avx512-vnni`` (AVX-512 F/BW/VL,
-    VNNI, FMA, F16C), else ``avx2`` (AVX2, FMA, F16C), else None (no int4 here)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore").replace("\t", " ")
-    except OSError:
-        return None
-    flags = flags.replace("\n", " \n")
-    return next((isa for isa, need in _ISA_CPUINFO.items() if all(f in flags for f in need)), None)
+    """The instruction set the kernel is built for on this CPU: ``avx512-vnni`` or ``avx2``, else
+    None (no int4 here)."""
+    return native.cpu_isa()
 
 
 def cpu_supports_int4() -> bool:
     return kernel_isa() is not None
 
 
-def _flags() -> tuple[str, ...]:
-    isa = kernel_isa()
-    return _COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ())
-
-
 def kernel_key() -> str:
-    """Names this build of the kernel (source, torch, flags): its build folder, and part of the
-    measured step costs' key, since a changed kernel changes what each depth costs."""
-    stamp = _SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_flags()).encode()
-    return hashlib.sha256(stamp).hexdigest()[:16]
-
-
-def _build_dir() -> Path:
-    from verispec.models.registry import cache_root
-
-    return cache_root() / "kernels" / f"int4-{kernel_key()}"
+    """Names this build of the kernel (see :func:`verispec.models.native.build_key`)."""
+    return native.build_key(_SOURCE)
 
 
 def ensure_kernel() -> None:
     """Compile (first use, ~1 min) or load the cached kernel; raise a VerispecError saying why not."""
-    global _loaded, _load_error
-    with _lock:
-        if _loaded is None:
-            if not cpu_supports_int4():
-                _loaded, _load_error = False, "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
-            else:
-                try:
-                    from torch.utils.cpp_extension import load
-
-                    build = _build_dir()
-                    build.mkdir(parents=True, exist_ok=True)
-                    load(
-                        name="verispec_int4",
-                        sources=[str(_SOURCE)],
-                        extra_cflags=list(_flags()),
-                        extra_ldflags=["-fopenmp"],
-                        build_directory=str(build),
-                        is_python_module=False,
-                        verbose=False,
-                    )
-                    _loaded = True
-                except Exception as exc:  # a missing compiler or headers: say so, keep int8 usable
-                    _loaded, _load_error = False, f"building the int4 kernel failed: {exc}"
-        if not _loaded:
-            raise VerispecError(f"--quantization int4 is not available: {_load_error}; use int8")
+    if not cpu_supports_int4():
+        why = "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C"
+    else:
+        why = native.load(_SOURCE)
+    if why is not None:
+        raise VerispecError(f"--quantization int4 is not available: {why}; use int8")
 
 
 @contextmanager

@@ -55,7 +55,7 @@ constexpr int64_t kGroup = 64;
 #if VERISPEC_AVX512
 constexpr int64_t kRowBlock = 8;
 #else
-constexpr int64_t kRowBlock = 4;
+constexpr int64_t kRowBlock = 8;
 #endif
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in a thread's weight stream
 constexpr int64_t kColBlock = 4;  // output channels per weight block: one per 128-bit lane
@@ -266,30 +266,56 @@ void block(const uint8_t* w, const uint16_t* ws, const uint16_t* wo, const int8_
   const auto bcast = [](const int8_t* a) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
   };
-  __m256 acc[ROWS][2];
-  for (int64_t r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* wg = wb + g * kGroupBytes;
+  // One half of a group (channels 2h, 2h + 1) against the rows: 4 products per row, summed as int16.
+  const auto half = [&](const uint8_t* wg, int64_t g, int64_t h, __m256 scale4, __m256* acc, int64_t stride) {
+    __m256i lo[kVectors], hi[kVectors];
+    for (int64_t t = 0; t < kVectors; ++t) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + t * 64 + 32 * h));
+      lo[t] = _mm256_and_si256(bytes, low4);
+      hi[t] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    }
+    const __m256 scale = _mm256_permutevar8x32_ps(scale4, lanes_of[h]);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const int8_t* a = q + (m0 + r) * Kp + g * kGroup;
+      __m256i d = _mm256_maddubs_epi16(lo[0], bcast(a));
+      d = _mm256_add_epi16(d, _mm256_maddubs_epi16(hi[0], bcast(a + 16)));
+      d = _mm256_add_epi16(d, _mm256_maddubs_epi16(lo[1], bcast(a + 32)));
+      d = _mm256_add_epi16(d, _mm256_maddubs_epi16(hi[1], bcast(a + 48)));
+      acc[r * stride] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones16)), scale, acc[r * stride]);
+    }
+  };
+  const auto scales_of = [&](int64_t g) {
+    return _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + g * kColBlock))));
+  };
+  const auto prefetch = [&](const uint8_t* wg) {
     for (int64_t t = 0; t < kVectors; ++t)
       _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + t * 64), _MM_HINT_T0);
-    const __m256 scale4 = _mm256_castps128_ps256(
-        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + g * kColBlock))));
+  };
+  // acc[r][h]: row r's sums for half h. Up to 4 rows, both halves of a group run before the next
+  // group (the block streams from memory once); more rows would not fit 16 registers with both
+  // halves' accumulators, so each half runs over all groups in turn (the block is read twice, the
+  // second time from cache). Either way each accumulator sees the same operations in the same
+  // order, so a row's result does not depend on how many rows the call has.
+  __m256 acc[ROWS][2];
+  if constexpr (ROWS <= 4) {
+    for (int64_t r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* wg = wb + g * kGroupBytes;
+      prefetch(wg);
+      const __m256 scale4 = scales_of(g);
+      half(wg, g, 0, scale4, &acc[0][0], 2);
+      half(wg, g, 1, scale4, &acc[0][1], 2);
+    }
+  } else {
     for (int64_t h = 0; h < 2; ++h) {
-      __m256i lo[kVectors], hi[kVectors];
-      for (int64_t t = 0; t < kVectors; ++t) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + t * 64 + 32 * h));
-        lo[t] = _mm256_and_si256(bytes, low4);
-        hi[t] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      __m256 hacc[ROWS];
+      for (int64_t r = 0; r < ROWS; ++r) hacc[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* wg = wb + g * kGroupBytes;
+        if (h == 0) prefetch(wg);
+        half(wg, g, h, scales_of(g), hacc, 1);
       }
-      const __m256 scale = _mm256_permutevar8x32_ps(scale4, lanes_of[h]);
-      for (int64_t r = 0; r < ROWS; ++r) {
-        const int8_t* a = q + (m0 + r) * Kp + g * kGroup;
-        __m256i d = _mm256_maddubs_epi16(lo[0], bcast(a));
-        d = _mm256_add_epi16(d, _mm256_maddubs_epi16(hi[0], bcast(a + 16)));
-        d = _mm256_add_epi16(d, _mm256_maddubs_epi16(lo[1], bcast(a + 32)));
-        d = _mm256_add_epi16(d, _mm256_maddubs_epi16(hi[1], bcast(a + 48)));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones16)), scale, acc[r][h]);
-      }
+      for (int64_t r = 0; r < ROWS; ++r) acc[r][h] = hacc[r];
     }
   }
   // Offset term: lane 4i+j accumulates o[g0 + i][j] * gsum[g0 + i] over g0 = 0, 2, 4, ...

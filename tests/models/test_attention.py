@@ -1,0 +1,112 @@
+"""The C++ rowwise attention: the attention's arithmetic (against float64), each position's bits
+independent of what is computed beside it, and the same logits as the Python loop within rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from verispec.models import attention, native
+from verispec.models.hf import HFCausalLM
+
+pytestmark = pytest.mark.skipif(
+    native.load(attention.NATIVE_SOURCE) is not None, reason="the C++ attention did not build here"
+)
+H, HKV, D, CAPACITY = 6, 2, 16, 64
+
+
+def _op(q, keys, values, start, window=0, tree=None):
+    return torch.ops.verispec_attention.rowwise_attention(q, keys, values, start, window, tree, D**-0.5)
+
+
+def _reference(q, keys, values, key_lists):
+    """float64 softmax attention of query s over the buffer positions key_lists[s]: [n, H, D]."""
+    out = []
+    for s, idx in enumerate(key_lists):
+        k = keys[:, idx].double().repeat_interleave(H // HKV, 0)  # [H, len, D]
+        v = values[:, idx].double().repeat_interleave(H // HKV, 0)
+        p = (q[:, s : s + 1].double() @ k.transpose(1, 2) * D**-0.5).softmax(-1)
+        out.append((p @ v)[:, 0])
+    return torch.stack(out).float()
+
+
+@pytest.fixture
+def buffers():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(HKV, CAPACITY, D, generator=gen), torch.randn(HKV, CAPACITY, D, generator=gen)
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_a_chain_attends_causally_within_the_window(buffers, window):
+    keys, values = buffers
+    start, n = 20, 5
+    q = torch.randn(H, n, D)
+    lists = []
+    for s in range(n):
+        seen = start + s + 1
+        lists.append(list(range(max(0, seen - window) if window else 0, seen)))
+    torch.testing.assert_close(_op(q, keys, values, start, window), _reference(q, keys, values, lists))
+
+
+def test_a_tree_node_sees_the_prefix_and_its_ancestors_only(buffers):
+    keys, values = buffers
+    start = 10
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    q = torch.randn(H, 4, D)
+    lists = [list(range(start)) + [start + j for j in range(4) if mask[s, j]] for s in range(4)]
+    got = _op(q, keys, values, start, 0, mask)
+    torch.testing.assert_close(got, _reference(q, keys, values, lists))
+    # node 3 (path r, a, c) gives the bits of the chain r, a, c laid out after the prefix
+    chain_keys, chain_values = keys.clone(), values.clone()
+    for buf, src in ((chain_keys, keys), (chain_values, values)):
+        buf[:, start : start + 3] = src[:, [start, start + 1, start + 3]]
+    chain = _op(q[:, [0, 1, 3]].contiguous(), chain_keys, chain_values, start)
+    assert torch.equal(got[[0, 1, 3]], chain)
+
+
+def test_a_position_gives_the_same_bits_alone_or_beside_others(buffers):
+    keys, values = buffers
+    start, n = 30, 8
+    q = torch.randn(H, n, D)
+    together = _op(q, keys, values, start)
+    for s in range(n):
+        alone = _op(q[:, s : s + 1].contiguous(), keys, values, start + s)
+        assert torch.equal(alone[0], together[s])
+
+
+def test_the_model_scores_as_with_the_python_loop(monkeypatch):
+    lm = HFCausalLM(tiny_llama(2), name="float32")  # float weights: the difference is rounding only
+    ids = [(3 * i + 1) % 96 for i in range(30)]
+
+    def run() -> torch.Tensor:
+        cache = lm.new_cache()
+        lm.forward(torch.tensor([ids[:20]]), cache)
+        return torch.cat(
+            [lm.forward(torch.tensor([ids[i : i + 5]]), cache, logits_to_keep=5).logits[0] for i in (20, 25)]
+        )
+
+    native_logits = run()
+    monkeypatch.setattr(attention, "use_native", False)
+    python_logits = run()
+    torch.testing.assert_close(native_logits, python_logits, rtol=1e-4, atol=1e-4)
+    assert native_logits.argmax(-1).tolist() == python_logits.argmax(-1).tolist()
+
+
+def test_a_failed_build_warns_once_and_keeps_the_python_loop(monkeypatch):
+    lm = HFCausalLM(tiny_llama(2), name="float32")
+    ids = torch.tensor([[(3 * i + 1) % 96 for i in range(12)]])
+
+    def run() -> torch.Tensor:
+        cache = lm.new_cache()
+        lm.forward(ids[:, :8], cache)
+        return lm.forward(ids[:, 8:], cache, logits_to_keep=4).logits[0]
+
+    monkeypatch.setattr(attention, "use_native", False)
+    want = run()
+    monkeypatch.setattr(attention, "use_native", True)
+    monkeypatch.setattr(attention, "_native_error", None)
+    monkeypatch.setattr(native, "load", lambda source: f"building {source} failed: no g++")
+    with pytest.warns(UserWarning, match="rowwise_attention.cpp failed: no g"):
+        got = run()
+    assert torch.equal(got, want)

@@ -1,0 +1,98 @@
+"""The lean decoder forward gives transformers' forward's bits: prompts, batched decode and verify
+rows, token trees and sliding windows, on float, int8 and int4 weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from tests.conftest import tiny_llama
+from tests.models.test_fused import needs_int4
+from verispec.models import lean
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import quantize_model
+
+SMALL = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+
+
+def _models() -> dict[str, torch.nn.Module]:
+    torch.manual_seed(3)
+    qwen = Qwen2ForCausalLM(
+        Qwen2Config(
+            **SMALL,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"],
+        )
+    )  # fmt: skip  (q/k/v biases, one sliding layer)
+    mistral = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=5))
+    return {"llama": tiny_llama(5), "qwen2": qwen.eval(), "mistral": mistral.eval()}
+
+
+MODELS = _models()
+SCHEMES = ["none", "int8", pytest.param("int4", marks=needs_int4)]
+
+
+def _pair(family: str, scheme: str) -> tuple[HFCausalLM, HFCausalLM]:
+    """The same weights twice: one run by the lean forward, one by transformers'."""
+    model = copy.deepcopy(MODELS[family])
+    if scheme != "none":
+        model = quantize_model(model, scheme)
+    else:
+        from verispec.models.attention import register
+
+        model.set_attn_implementation(register())
+    fast, slow = HFCausalLM(model, name="lean"), HFCausalLM(model, name="transformers")
+    slow.lean = False
+    assert fast.lean
+    return fast, slow
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_lean_forward_gives_transformers_bits(family, scheme):
+    fast, slow = _pair(family, scheme)
+    prompts = [[(5 * i + 3) % 96 for i in range(23)], [(11 * i + 1) % 96 for i in range(9)]]
+    runs = {}
+    for lm in (fast, slow):
+        caches = [lm.new_cache(), lm.new_cache()]
+        prefill = lm.forward_batch(caches, prompts, logits_to_keep=[0, 0], hidden_to_keep=[2, 2]).hidden
+        steps = []
+        for tokens in ([[4], [9, 10, 11]], [[12, 13], [14]]):  # decode and verify rows, batched
+            out = lm.forward_batch(
+                caches, tokens, logits_to_keep=[len(t) for t in tokens], return_hidden=True
+            )
+            steps += out.logits + out.hidden
+        # a token tree (root, two children, a grandchild under the first) on row 0
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        start = caches[0].length
+        tree = lm.forward_batch(
+            caches[:1], [[20, 21, 22, 23]], logits_to_keep=[4],
+            positions=[[start, start + 1, start + 1, start + 2]], tree_masks=[mask],
+        )  # fmt: skip
+        runs[lm.name] = [*prefill, *steps, *tree.logits]
+    assert len(runs["lean"]) == len(runs["transformers"]) == 11
+    for got, want in zip(runs["lean"], runs["transformers"], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_other_decoders_keep_transformers_forward():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert not lean.supports(gpt2.transformer)
+    gelu = Qwen2ForCausalLM(Qwen2Config(**{**SMALL, "num_hidden_layers": 1}, hidden_act="gelu"))
+    assert not lean.supports(gelu.model)  # the MLP's activation is not the one lean computes
+    assert lean.supports(MODELS["qwen2"].model)

@@ -1,0 +1,83 @@
+"""verispec's own C++ operators: compiled on first use for this CPU, cached, loaded once.
+
+``torch.utils.cpp_extension`` builds each source with the g++ and ninja it needs (~1 min the first
+time) into verispec's cache folder, under a name keyed by the source, torch's version and the
+flags, so a changed kernel or CPU gets a fresh build and an unchanged one loads in a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCES = Path(__file__).parent / "kernels"
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")  # ATen's parallel_for is OpenMP in torch's wheels
+"""-ffp-contract=off: no multiply-add fused in one code path and not another (batch invariance)."""
+_ISA_FLAGS = {
+    "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
+"""Compiler flags per instruction set the kernels are built for (best first)."""
+_ISA_CPUINFO = {
+    "avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", " fma ", " f16c "),
+    "avx2": (" avx2 ", " fma ", " f16c "),
+}
+"""The /proc/cpuinfo flags each needs."""
+_lock = threading.Lock()
+_loaded: dict[str, str | None] = {}  # source name -> None (loaded) or why it failed
+
+
+@functools.cache
+def cpu_isa() -> str | None:
+    """The best instruction set of :data:`_ISA_FLAGS` this CPU has: ``avx512-vnni`` (AVX-512
+    F/BW/VL, VNNI, FMA, F16C), else ``avx2`` (AVX2, FMA, F16C), else None."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore").replace("\t", " ")
+    except OSError:
+        return None
+    flags = flags.replace("\n", " \n")
+    return next((isa for isa, need in _ISA_CPUINFO.items() if all(f in flags for f in need)), None)
+
+
+def flags() -> tuple[str, ...]:
+    isa = cpu_isa()
+    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ())
+
+
+def build_key(source: str) -> str:
+    """Names one build of ``source`` (its text, torch, the flags): its folder, and a part of the
+    measured step costs' key, since a changed kernel changes what each depth costs."""
+    stamp = (SOURCES / source).read_bytes() + torch.__version__.encode() + " ".join(flags()).encode()
+    return hashlib.sha256(stamp).hexdigest()[:16]
+
+
+def load(source: str) -> str | None:
+    """Build (first use) or load the operators of ``kernels/<source>``; None when they are
+    registered, else why not (a missing compiler or headers), so callers can say so or fall back."""
+    with _lock:
+        if source not in _loaded:
+            from torch.utils.cpp_extension import load as load_extension
+
+            from verispec.models.registry import cache_root
+
+            stem = Path(source).stem
+            build = cache_root() / "kernels" / f"{stem}-{build_key(source)}"
+            try:
+                build.mkdir(parents=True, exist_ok=True)
+                load_extension(
+                    name=f"verispec_{stem}",
+                    sources=[str(SOURCES / source)],
+                    extra_cflags=list(flags()),
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build),
+                    is_python_module=False,
+                    verbose=False,
+                )
+                _loaded[source] = None
+            except Exception as exc:  # a missing compiler or headers: the caller decides
+                _loaded[source] = f"building {source} failed: {exc}"
+        return _loaded[source]
