@@ -50,13 +50,9 @@
 namespace {
 
 constexpr int64_t kGroup = 64;
-// Activation rows per pass over a weight block (the register budget: 32 vector registers with
-// AVX-512, 16 with AVX2).
-#if VERISPEC_AVX512
+// Activation rows per pass over a weight block: what the accumulators leave of the vector
+// registers (32 with AVX-512; with AVX2's 16, past 4 rows the block runs a half at a time).
 constexpr int64_t kRowBlock = 8;
-#else
-constexpr int64_t kRowBlock = 8;
-#endif
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in a thread's weight stream
 constexpr int64_t kColBlock = 4;  // output channels per weight block: one per 128-bit lane
 constexpr int64_t kGroupBytes = kColBlock * kGroup / 2;  // one block's group: 4 channels x kGroup nibbles
