@@ -4,9 +4,9 @@
 // Why: the Python version runs ~10 torch operations per query position and layer (two small
 // matrix products, the scaling, the softmax, conversions, the copy out), ~50 us each position on
 // a 2-core machine: ~11 ms of a 1.5B verify step over 8 tokens, more than the products' work.
-// Here each (position, head) is one task whose loops depend only on that position: its keys are
-// the cached prefix then, in a token tree, its ancestors in node order (a chain is the tree where
-// every earlier node is an ancestor), cut to the last `window` keys on sliding layers. So a token's
+// Here each (position, key/value head) is one task whose loops depend only on that position: its
+// keys are the cached prefix then, in a token tree, its ancestors in node order (a chain is the tree
+// where every earlier node is an ancestor), cut to the last `window` keys on sliding layers. So a token's
 // output is the same bits whether it is decoded alone, verified beside drafts, in a tree or in a
 // batch, which is what lossless greedy speculation needs; which thread runs a task never changes
 // its arithmetic.
@@ -117,8 +117,10 @@ at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& keys, co
                   values.scalar_type() == at::kFloat,
               "rowwise_attention: float32 only");
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "rowwise_attention: bad shapes");
-  const at::Tensor q = query.contiguous(), k = keys.contiguous(), v = values.contiguous();
-  const int64_t H = q.size(0), n = q.size(1), D = q.size(2);
+  // [n, H, D] queries (one copy), so a position's heads sharing a key/value head are contiguous
+  const at::Tensor qs = query.transpose(0, 1).contiguous();
+  const at::Tensor k = keys.contiguous(), v = values.contiguous();  // the buffers: no copy
+  const int64_t n = qs.size(0), H = qs.size(1), D = qs.size(2);
   const int64_t Hkv = k.size(0), capacity = k.size(1);
   TORCH_CHECK(k.size(2) == D && Hkv > 0 && H % Hkv == 0, "rowwise_attention: heads do not match");
   TORCH_CHECK(start >= 0 && start + n <= capacity, "rowwise_attention: positions past the buffer");
@@ -147,9 +149,7 @@ at::Tensor rowwise_attention(const at::Tensor& query, const at::Tensor& keys, co
     const int64_t skip = std::max<int64_t>(0, lo - start);
     for (size_t j = static_cast<size_t>(skip); j < path.size(); ++j) keys_of.push_back(path[j]);
   }
-  // [n, H, D] queries, so a position's heads sharing a key/value head are contiguous
-  const at::Tensor qs = q.transpose(0, 1).contiguous();
-  at::Tensor out = at::empty({n, H, D}, q.options());
+  at::Tensor out = at::empty({n, H, D}, qs.options());
   const float* qp = qs.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
