@@ -256,15 +256,18 @@ def _tuples(d: dict[str, list]) -> dict[str, tuple]:
 
 
 def _identity(target: CausalLM, draft: CausalLM | None) -> str:
-    """Model names, shapes, quantization (with the int4 kernel's build), the attention's build and
-    threads: what changes a forward's cost."""
+    """Model names, shapes, quantization (with the int4 kernel's build), the C++ attention's and
+    layer operations' builds and threads: what changes a forward's cost."""
     from verispec.models import attention as attention_module
-    from verispec.models import native
+    from verispec.models import lean, native
 
-    # Decode and verify steps run the C++ attention where it is on: its build changes their cost.
+    # Decode and verify steps run the C++ attention and layer operations where they are on: their
+    # builds change what a step costs.
     attention = ""
     if attention_module.use_native:
         attention = f"-a{native.build_key(attention_module.NATIVE_SOURCE)[:8]}"
+    if lean.use_native:
+        attention += f"-l{native.build_key(lean.NATIVE_SOURCE)[:8]}"
 
     def one(m: CausalLM) -> str:
         quant = getattr(m, "quantization", "none")

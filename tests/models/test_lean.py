@@ -1,5 +1,7 @@
-"""The lean decoder forward gives transformers' forward's bits: prompts, batched decode and verify
-rows, token trees and sliding windows, on float, int8 and int4 weights."""
+"""The lean decoder forward gives transformers' forward's bits with torch's operations, and matches
+it within rounding with the C++ layer operations: prompts, batched decode and verify rows, token
+trees and sliding windows, on float, int8 and int4 weights. With the C++ operations a token's bits
+do not depend on the rows beside it."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from transformers import (
 
 from tests.conftest import tiny_llama
 from tests.models.test_fused import needs_int4
-from verispec.models import lean
+from verispec.models import lean, native
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import quantize_model
 
@@ -62,9 +64,9 @@ def _pair(family: str, scheme: str) -> tuple[HFCausalLM, HFCausalLM]:
     return fast, slow
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_lean_forward_gives_transformers_bits(family, scheme):
+def _runs(family: str, scheme: str) -> dict[str, list[torch.Tensor]]:
+    """Logits and hidden states of both forwards over prompts, batched decode and verify rows and a
+    token tree (11 tensors each)."""
     fast, slow = _pair(family, scheme)
     prompts = [[(5 * i + 3) % 96 for i in range(23)], [(11 * i + 1) % 96 for i in range(9)]]
     runs = {}
@@ -86,8 +88,63 @@ def test_lean_forward_gives_transformers_bits(family, scheme):
         )  # fmt: skip
         runs[lm.name] = [*prefill, *steps, *tree.logits]
     assert len(runs["lean"]) == len(runs["transformers"]) == 11
+    return runs
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_lean_forward_gives_transformers_bits(family, scheme, monkeypatch):
+    monkeypatch.setattr(lean, "use_native", False)
+    runs = _runs(family, scheme)
     for got, want in zip(runs["lean"], runs["transformers"], strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_native_layer_ops_match_transformers_within_rounding(family, scheme, monkeypatch):
+    monkeypatch.setattr(lean, "use_native", True)
+    runs = _runs(family, scheme)
+    assert lean._native_error == ""  # the C++ operations ran
+    # Quantized activations turn a last-bit difference into at most a step of their rounding.
+    tol = 1e-4 if scheme == "none" else 2e-2
+    for got, want in zip(runs["lean"], runs["transformers"], strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        if got.shape[-1] == 96:  # logits
+            assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[1:])  # float32 Linears (BLAS) are not batch-invariant
+def test_native_layer_ops_keep_a_token_s_bits_whatever_rows_are_beside_it(scheme, monkeypatch):
+    monkeypatch.setattr(lean, "use_native", True)
+    fast, _ = _pair("qwen2", scheme)
+    prompt = [(7 * i + 2) % 96 for i in range(17)]
+    alone_cache = fast.new_cache()
+    fast.forward_batch([alone_cache], [prompt], logits_to_keep=[0])
+    alone = fast.forward_batch([alone_cache], [[30]], logits_to_keep=[1]).logits[0]
+    caches = [fast.new_cache(), fast.new_cache()]
+    fast.forward_batch(caches, [prompt, prompt[:9]], logits_to_keep=[0, 0])
+    # the same token first in a verify row of four, beside a second sequence's row
+    beside = fast.forward_batch(caches, [[30, 31, 32, 33], [40, 41]], logits_to_keep=[4, 2]).logits[0]
+    assert torch.equal(beside[:1], alone)
+
+
+def test_a_failed_layer_ops_build_warns_and_keeps_torch_s_operations(monkeypatch):
+    fast, slow = _pair("llama", "none")
+    ids = torch.tensor([[(3 * i + 1) % 96 for i in range(12)]])
+
+    def run(lm: HFCausalLM) -> torch.Tensor:
+        cache = lm.new_cache()
+        lm.forward(ids[:, :8], cache)
+        return lm.forward(ids[:, 8:], cache, logits_to_keep=4).logits[0]
+
+    want = run(slow)  # transformers' forward (this also loads the C++ attention, left as it is)
+    monkeypatch.setattr(lean, "use_native", True)
+    monkeypatch.setattr(lean, "_native_error", None)
+    monkeypatch.setattr(native, "load", lambda source: f"building {source} failed: no g++")
+    with pytest.warns(UserWarning, match="layer_ops.cpp failed: no g"):
+        got = run(fast)
+    assert torch.equal(got, want)  # torch's operations: transformers' bits
 
 
 def test_other_decoders_keep_transformers_forward():

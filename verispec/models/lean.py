@@ -16,18 +16,32 @@ transformers' forward (the tests check it), and skips only the plumbing:
 Only decoder stacks whose layers are known to compute exactly this are taken (:func:`supports`);
 anything else (other families, quirks such as q/k norms or scaled embeddings) keeps transformers'
 forward.
+
+In float32 on CPU the layers' small operations (RMSNorm with the residual add before it, the rotary
+embedding, the SiLU-gated product) run as one C++ call each (``kernels/layer_ops.cpp``): ~25 torch
+operations per layer become 4. Those round RMSNorm's sum and SiLU's exp differently from torch, so
+that path matches transformers within rounding, not to the bit; it is row by row and so still
+batch-invariant, and one process uses one path for every forward (:data:`use_native`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from verispec.models import native
 from verispec.models.attention import rowwise_attention
 from verispec.models.fused import FusedLinear
 from verispec.models.kv import RowBatch
+
+use_native = True
+"""Run the layers' small operations through ``kernels/layer_ops.cpp`` where it builds (float32 on
+CPU); False keeps the torch operations, transformers' bits (the reference the tests compare to)."""
+NATIVE_SOURCE = "layer_ops.cpp"
+_native_error: str | None = None  # None: not tried yet; "": loaded
 
 _LAYERS = {
     "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
@@ -73,9 +87,93 @@ def forward(
     cos, sin = decoder.rotary_emb.forward(hidden, position_ids)  # [B, S, D]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over heads, for [B, S, heads, D]
     window = _WINDOWS[type(decoder).__name__]
+    if _native_ready(hidden):
+        return _native_forward(decoder, hidden, cos, sin, rows, window)
     for layer in decoder.layers:
         hidden = _layer(layer, hidden, cos, sin, rows, window(layer.self_attn))
     return _rms_norm(decoder.norm, hidden)
+
+
+def _native_ready(hidden: torch.Tensor) -> bool:
+    """Whether this forward runs the C++ layer operations (float32 on CPU, where they build)."""
+    global _native_error
+    if not use_native or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+        return False
+    if _native_error is None:
+        _native_error = native.load(NATIVE_SOURCE) or ""
+        if _native_error:
+            warnings.warn(f"{_native_error}; the lean forward keeps torch's operations", stacklevel=3)
+    return not _native_error
+
+
+def _native_forward(
+    decoder: nn.Module,
+    hidden: torch.Tensor,  # [B, S, H], the embeddings
+    cos: torch.Tensor,  # [B, S, 1, D]
+    sin: torch.Tensor,
+    rows: RowBatch,
+    window: Callable[[nn.Module], int | None],
+) -> torch.Tensor:
+    """:func:`forward`'s layers with the C++ operations; each residual add is fused into the norm
+    after it (the next layer's input norm, or the final norm)."""
+    ops = torch.ops.verispec_layer
+    layers = decoder.layers
+    batch, width, _ = hidden.shape
+    cos, sin = cos.reshape(batch * width, -1), sin.reshape(batch * width, -1)
+    first = layers[0].input_layernorm
+    x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        delta = _native_attention(attn, x, cos, sin, rows, window(attn))
+        norm = layer.post_attention_layernorm
+        hidden, x = ops.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
+        fused = getattr(mlp, "gate_up_proj", None)
+        if isinstance(fused, FusedLinear):
+            gate_up = fused.linear.forward(x).view(batch * width, -1)
+            gate, up = gate_up.split(fused.sizes, dim=-1)
+        else:
+            gate = mlp.gate_proj.forward(x).view(batch * width, -1)
+            up = mlp.up_proj.forward(x).view(batch * width, -1)
+        delta = mlp.down_proj.forward(ops.silu_mul(gate, up).view(batch, width, -1))
+        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
+        hidden, x = ops.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
+    return x
+
+
+def _native_attention(
+    attn: nn.Module,
+    x: torch.Tensor,  # [B, S, H], normed
+    cos: torch.Tensor,  # [B * S, D]
+    sin: torch.Tensor,
+    rows: RowBatch,
+    window: int | None,
+) -> torch.Tensor:
+    """The attention block's output projection, [B, S, H]: q/k/v, rotary in place, attention."""
+    batch, width, _ = x.shape
+    dim = attn.head_dim
+    heads = attn.config.num_attention_heads
+    kv_heads = attn.config.num_key_value_heads
+    fused = getattr(attn, "qkv_proj", None)
+    if isinstance(fused, FusedLinear):
+        qkv = fused.linear.forward(x).reshape(batch * width, -1)
+    else:
+        qkv = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)), dim=-1)
+        qkv = qkv.reshape(batch * width, -1)
+    torch.ops.verispec_layer.rotary_(qkv, cos, sin, heads + kv_heads)
+    qkv = qkv.view(batch, width, heads + 2 * kv_heads, dim)
+    query, key, value = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads], qkv[:, :, heads + kv_heads :]
+    key_t, value_t = rows.update(key.transpose(1, 2), value.transpose(1, 2), attn.layer_idx)
+    out, _ = rowwise_attention(
+        attn,
+        query.transpose(1, 2),
+        key_t,
+        value_t,
+        None,
+        scaling=attn.scaling,
+        sliding_window=window,
+        verispec_rows=rows,
+    )
+    return attn.o_proj.forward(out.reshape(batch, width, -1).contiguous())
 
 
 def _layer(
