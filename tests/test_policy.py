@@ -165,6 +165,52 @@ def test_cost_model_corrects_its_scale_from_observed_steps():
     assert costs.draft_step_seconds(3) == 0.0  # no draft model
 
 
+def test_each_token_count_learns_its_own_cost_and_more_tokens_never_look_cheaper():
+    """The start-up curve said 4 tokens cost 1.33x one; in the engine they cost 1.83x (AVX2 int4,
+    session 13). One scale for every count cannot learn that; one per count does."""
+    costs = StepCostModel(Curve((1, 2, 4, 8), (0.040, 0.046, 0.053, 0.090)))
+    for _ in range(60):
+        costs.observe_target(1, 0.040)
+        costs.observe_target(4, 0.073)
+    assert costs.target_seconds(1) == pytest.approx(0.040, rel=0.02)
+    assert costs.target_seconds(4) == pytest.approx(0.073, rel=0.02)
+    for _ in range(60):
+        costs.observe_target(5, 0.050)  # a noisy count: measured cheaper than 4 tokens
+    assert costs.target_seconds(5) >= costs.target_seconds(4)
+    assert costs.target_seconds(6) >= costs.target_seconds(5)  # unobserved: global scale, floored
+    # the depth policy then stops paying 1.83x for an expected 1.6 tokens
+    survival = [0.4, 0.16, 0.064, 0.026, 0.01]
+    assert AdaptiveDepth(costs).choose([DepthQuery(cap=5, survival=survival)]) in ([0], [1])
+
+
+def test_start_up_curve_is_timed_round_robin_so_a_slow_spell_falls_on_every_point(monkeypatch):
+    """A model slow for its first calls after loading (here: the first 10 forwards cost 30 ms more)
+    must not make the first-measured count look dear, or a verify looks cheap next to it."""
+    from verispec import costs as costs_module
+
+    clock = [0.0]
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock[0])
+
+    class SlowStart:
+        vocab_size = 50
+        calls = 0
+
+        def new_cache(self) -> KVBuffer:
+            return KVBuffer()
+
+        def forward(self, input_ids: torch.Tensor, cache: KVBuffer, **_: object) -> None:
+            cache.advance(input_ids.shape[1])
+
+        def forward_batch(self, caches, tokens, **_: object) -> None:
+            SlowStart.calls += 1
+            clock[0] += 0.001 * sum(len(t) for t in tokens) + (0.030 if SlowStart.calls <= 10 else 0.0)
+            for cache, row in zip(caches, tokens, strict=True):
+                cache.advance(len(row))
+
+    curve = costs_module.measure_target(SlowStart(), repeats=3)  # type: ignore[arg-type]
+    assert curve.seconds == pytest.approx(tuple(0.001 * t for t in curve.xs))
+
+
 # --------------------------------------------------------------------- exactness under any schedule
 
 P_TARGET = torch.tensor([0.7, 0.3])
@@ -348,7 +394,7 @@ def test_the_draft_prefill_curve_is_measured_and_cached(tiny_target, tiny_draft,
     assert measured.draft_prefill(512) >= measured.draft_prefill(1) > 0
     (cached,) = tmp_path.iterdir()
     assert load_or_measure(tiny_target, tiny_draft, tmp_path).draft_prefill == measured.draft_prefill
-    assert cached.name.endswith("-v2.json")  # files cached before the prefill curve are measured again
+    assert cached.name.endswith("-v3.json")  # files cached before the round-robin curves are measured again
     assert load_or_measure(tiny_target, None, tmp_path / "plain", repeats=1).draft_prefill is None
 
 

@@ -13,9 +13,17 @@ Three curves, measured on this machine with this model and these settings:
   one-token-rows curve overstated it about twice.
 
 Measuring takes a few seconds for a 1.5B model, so a curve is cached on disk under the model's
-identity and the thread count. While serving, every step's real time corrects the curve's scale
-(an EMA of measured / predicted), which absorbs what the start-up measurement cannot see: longer
-contexts, another process on the machine.
+identity and the thread count. The points are timed round-robin (every count once per repeat), so a
+machine that is slow for a while after loading slows every point alike instead of the first ones
+measured: measured in order, a 1.5B int4 step at 1 token read 49 ms against 40 ms in use, a
+4-token verify looked like 1.33x a decode step instead of ~1.6x, and the policy over-speculated.
+
+While serving, every step's real time corrects the prediction for its own token count (an EMA of
+measured / predicted per count; counts not seen yet take their observed neighbours' corrections,
+interpolated): that absorbs
+what the start-up measurement cannot see, such as longer contexts, another process on the machine,
+or a verify step costing relatively more inside the engine than alone (1.83x against 1.62x a
+decode step for 4 tokens on the AVX2 int4 path, session 13).
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ _ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens,
 CATCH_UP_HORIZON = 16
 """Steps a draft model's catch-up cost is spread over when the request's remaining length is not
 known (see :meth:`StepCostModel.draft_catch_up_seconds`)."""
-_COSTS_VERSION = 2  # bumped when the cached cost model gains a curve: older files are measured again
+_COSTS_VERSION = 3  # bumped when the cached curves change meaning or gain one: older files are measured again
+_MAX_OWN_SCALE = 64
+"""Token counts up to this keep their own correction; larger batches share the global one."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +99,46 @@ class StepCostModel:
         """Seconds per query token per cached key it attends to (beyond the curve's short context)."""
         self.correction = correction
         self.target_scale = 1.0
+        """Measured / predicted over every observed step (the counts past :data:`_MAX_OWN_SCALE`)."""
+        self.count_scales: dict[int, float] = {}
+        """Measured / predicted per token count of observed steps, up to :data:`_MAX_OWN_SCALE`."""
+        self._scales: list[float] = []  # per count 1.._MAX_OWN_SCALE, from count_scales
+        self._seconds: list[float] = []  # the corrected curve there, non-decreasing
         self.draft_scale = 1.0
 
     def target_seconds(self, tokens: int, key_queries: float = 0.0) -> float:
         """A forward of ``tokens`` tokens whose queries attend to ``key_queries`` cached keys in all."""
-        return (self.target(tokens) + self.per_key * key_queries) * self.target_scale
+        if not self._seconds:
+            return (self.target(tokens) + self.per_key * key_queries) * self.target_scale
+        i = min(max(int(tokens), 1), _MAX_OWN_SCALE) - 1
+        if tokens <= _MAX_OWN_SCALE:
+            return self._seconds[i] + self.per_key * key_queries * self._scales[i]
+        return max(self._seconds[-1], self.target(tokens) * self.target_scale) + (
+            self.per_key * key_queries * self.target_scale
+        )
+
+    def _refresh(self) -> None:
+        """Tabulate the corrected curve: an observed count's own scale; between observed counts,
+        their scales interpolated; outside them, the nearest one's. Then made non-decreasing: more
+        tokens never cost less, and one count's noisy correction must not make it look cheap."""
+        counts = sorted(self.count_scales)
+        scales, seconds, running = [], [], 0.0
+        for t in range(1, _MAX_OWN_SCALE + 1):
+            j = bisect.bisect_left(counts, t)
+            if j < len(counts) and counts[j] == t:
+                scale = self.count_scales[t]
+            elif j == 0:
+                scale = self.count_scales[counts[0]]
+            elif j == len(counts):
+                scale = self.count_scales[counts[-1]]
+            else:
+                lo, hi = counts[j - 1], counts[j]
+                w = (t - lo) / (hi - lo)
+                scale = self.count_scales[lo] + w * (self.count_scales[hi] - self.count_scales[lo])
+            running = max(running, self.target(t) * scale)
+            scales.append(scale)
+            seconds.append(running)
+        self._scales, self._seconds = scales, seconds
 
     def draft_step_seconds(self, rows: int) -> float:
         """One draft-model step over ``rows`` sequences (0 when there is no draft model)."""
@@ -119,9 +164,17 @@ class StepCostModel:
         return once * self.draft_scale / max(1.0, horizon)
 
     def observe_target(self, tokens: int, seconds: float, key_queries: float = 0.0) -> None:
+        """Correct the predictions by one step's measured forward: its own count's and the global."""
         predicted = self.target(tokens) + self.per_key * key_queries
-        if predicted > 0:
-            self.target_scale += self.correction * (seconds / predicted - self.target_scale)
+        if predicted <= 0:
+            return
+        ratio = seconds / predicted
+        if tokens <= _MAX_OWN_SCALE:
+            own = self.count_scales.get(tokens, self.target_scale)
+            self.count_scales[tokens] = own + self.correction * (ratio - own)
+        self.target_scale += self.correction * (ratio - self.target_scale)
+        if tokens <= _MAX_OWN_SCALE:
+            self._refresh()
 
     def observe_draft(self, rows_per_step: Sequence[int], seconds: float) -> None:
         predicted = sum(self.draft(r) for r in rows_per_step if r) if self.draft else 0.0
@@ -141,9 +194,8 @@ class StepCostModel:
 
 def measure_target(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
     """Least seconds of a batched forward of t tokens (rows of up to 8) on ``context``-token caches."""
-    return Curve(
-        TARGET_TOKENS, tuple(_time_rows(model, _rows_for(t), context, repeats) for t in TARGET_TOKENS)
-    )
+    steps = [_RowsStep(model, _rows_for(t), context) for t in TARGET_TOKENS]
+    return Curve(TARGET_TOKENS, _least_round_robin(steps, repeats))
 
 
 def measure_per_key(model: CausalLM, repeats: int = 5, tokens: int = 8, extra: int = 512) -> float:
@@ -151,14 +203,16 @@ def measure_per_key(model: CausalLM, repeats: int = 5, tokens: int = 8, extra: i
     extra = min(extra, model.max_context - 64 - tokens)
     if extra < 64:  # a model with too short a context to tell: no context price
         return 0.0
-    short = _time_rows(model, [tokens], 64, repeats)
-    long = _time_rows(model, [tokens], 64 + extra, repeats)
+    short, long = _least_round_robin(
+        [_RowsStep(model, [tokens], 64), _RowsStep(model, [tokens], 64 + extra)], repeats
+    )
     return max(0.0, (long - short) / (tokens * extra))
 
 
 def measure_draft(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
     """Least seconds of one draft step (one token per row) for each row count."""
-    return Curve(DRAFT_ROWS, tuple(_time_rows(model, [1] * r, context, repeats) for r in DRAFT_ROWS))
+    steps = [_RowsStep(model, [1] * r, context) for r in DRAFT_ROWS]
+    return Curve(DRAFT_ROWS, _least_round_robin(steps, repeats))
 
 
 def measure_prefill(model: CausalLM, repeats: int = 3) -> Curve:
@@ -184,22 +238,39 @@ def _rows_for(tokens: int) -> list[int]:
     return [_ROW_WIDTH] * full + ([rest] if rest else [])
 
 
-def _time_rows(model: CausalLM, widths: list[int], context: int, repeats: int) -> float:
-    generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.vocab_size, (1, context), generator=generator)
-    base = model.new_cache()
-    model.forward(prefix, base)
-    caches = [base.clone() for _ in widths]
-    tokens = [torch.randint(0, model.vocab_size, (w,), generator=generator).tolist() for w in widths]
-    times = []
-    for i in range(repeats + 1):  # the first is a warm-up
+class _RowsStep:
+    """One batched forward of rows of the given widths on ``context``-token caches, repeatable."""
+
+    def __init__(self, model: CausalLM, widths: list[int], context: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        prefix = torch.randint(0, model.vocab_size, (1, context), generator=generator)
+        base = model.new_cache()
+        model.forward(prefix, base)
+        self.model = model
+        self.widths = widths
+        self.caches = [base.clone() for _ in widths]
+        self.tokens = [torch.randint(0, model.vocab_size, (w,), generator=generator).tolist() for w in widths]
+
+    def seconds(self) -> float:
         started = time.perf_counter()
-        model.forward_batch(caches, tokens, logits_to_keep=widths)
-        if i:
-            times.append(time.perf_counter() - started)
-        for cache, w in zip(caches, widths, strict=True):
+        self.model.forward_batch(self.caches, self.tokens, logits_to_keep=self.widths)
+        elapsed = time.perf_counter() - started
+        for cache, w in zip(self.caches, self.widths, strict=True):
             cache.trim(w)
-    return min(times)  # the machine's own cost: contention only ever adds time
+        return elapsed
+
+
+def _least_round_robin(steps: list[_RowsStep], repeats: int) -> tuple[float, ...]:
+    """Each step's least time over ``repeats`` rounds that time every step once, after a warm-up
+    round: the least, since contention only ever adds time; round-robin, so a slow spell of the
+    machine does not fall on some points only."""
+    for step in steps:
+        step.seconds()
+    least = [float("inf")] * len(steps)
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            least[i] = min(least[i], step.seconds())
+    return tuple(least)
 
 
 def load_or_measure(
