@@ -20,10 +20,9 @@ measured: measured in order, a 1.5B int4 step at 1 token read 49 ms against 40 m
 
 While serving, every step's real time corrects the prediction for its own token count (an EMA of
 measured / predicted per count; counts not seen yet take their observed neighbours' corrections,
-interpolated): that absorbs
-what the start-up measurement cannot see, such as longer contexts, another process on the machine,
-or a verify step costing relatively more inside the engine than alone (1.83x against 1.62x a
-decode step for 4 tokens on the AVX2 int4 path, session 13).
+interpolated). That absorbs what the start-up measurement cannot see, such as longer contexts,
+another process on the machine, or a verify step costing relatively more inside the engine than
+alone (1.83x against 1.62x a decode step for 4 tokens on the AVX2 int4 path, session 13).
 """
 
 from __future__ import annotations

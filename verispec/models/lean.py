@@ -162,18 +162,7 @@ def _native_attention(
     torch.ops.verispec_layer.rotary_(qkv, cos, sin, heads + kv_heads)
     qkv = qkv.view(batch, width, heads + 2 * kv_heads, dim)
     query, key, value = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads], qkv[:, :, heads + kv_heads :]
-    key_t, value_t = rows.update(key.transpose(1, 2), value.transpose(1, 2), attn.layer_idx)
-    out, _ = rowwise_attention(
-        attn,
-        query.transpose(1, 2),
-        key_t,
-        value_t,
-        None,
-        scaling=attn.scaling,
-        sliding_window=window,
-        verispec_rows=rows,
-    )
-    return attn.o_proj.forward(out.reshape(batch, width, -1).contiguous())
+    return attn.o_proj.forward(_attend(attn, query, key, value, rows, window))
 
 
 def _layer(
@@ -202,7 +191,28 @@ def _layer(
     qk = (qk * cos) + (_rotate_half(qk) * sin)  # transformers' apply_rotary_pos_emb, element by element
     query, key = qk[:, :, :heads], qk[:, :, heads:]
     value = v.view(batch, width, kv_heads, dim)
-    # transformers' layout [B, heads, S, D] for the cache hook and the attention.
+    hidden = hidden + attn.o_proj.forward(_attend(attn, query, key, value, rows, window))
+    mlp = layer.mlp
+    x = _rms_norm(layer.post_attention_layernorm, hidden)
+    fused = getattr(mlp, "gate_up_proj", None)
+    if isinstance(fused, FusedLinear):
+        gate, up = fused.linear.forward(x).split(fused.sizes, dim=-1)
+    else:
+        gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+    return hidden + mlp.down_proj.forward(nn.functional.silu(gate) * up)
+
+
+def _attend(
+    attn: nn.Module,
+    query: torch.Tensor,  # [B, S, heads, D]
+    key: torch.Tensor,  # [B, S, kv_heads, D]
+    value: torch.Tensor,
+    rows: RowBatch,
+    window: int | None,
+) -> torch.Tensor:
+    """Store the new keys and values, attend, and return the heads side by side, [B, S, heads * D]
+    (in transformers' layout [B, heads, S, D] for the cache hook and the attention)."""
+    batch, width = query.shape[:2]
     key_t, value_t = rows.update(key.transpose(1, 2), value.transpose(1, 2), attn.layer_idx)
     out, _ = rowwise_attention(
         attn,
@@ -214,16 +224,7 @@ def _layer(
         sliding_window=window,
         verispec_rows=rows,
     )
-    out = out.reshape(batch, width, -1).contiguous()
-    hidden = hidden + attn.o_proj.forward(out)
-    mlp = layer.mlp
-    x = _rms_norm(layer.post_attention_layernorm, hidden)
-    fused = getattr(mlp, "gate_up_proj", None)
-    if isinstance(fused, FusedLinear):
-        gate, up = fused.linear.forward(x).split(fused.sizes, dim=-1)
-    else:
-        gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
-    return hidden + mlp.down_proj.forward(nn.functional.silu(gate) * up)
+    return out.reshape(batch, width, -1).contiguous()
 
 
 def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
