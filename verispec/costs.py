@@ -171,9 +171,8 @@ class StepCostModel:
         if tokens <= _MAX_OWN_SCALE:
             own = self.count_scales.get(tokens, self.target_scale)
             self.count_scales[tokens] = own + self.correction * (ratio - own)
-        self.target_scale += self.correction * (ratio - self.target_scale)
-        if tokens <= _MAX_OWN_SCALE:
             self._refresh()
+        self.target_scale += self.correction * (ratio - self.target_scale)
 
     def observe_draft(self, rows_per_step: Sequence[int], seconds: float) -> None:
         predicted = sum(self.draft(r) for r in rows_per_step if r) if self.draft else 0.0

@@ -8,10 +8,9 @@ import torch
 
 from verispec.models import native
 
-pytestmark = pytest.mark.skipif(
-    native.load("layer_ops.cpp") is not None, reason="layer_ops.cpp does not build here"
-)
-ops = torch.ops.verispec_layer if native.load("layer_ops.cpp") is None else None
+_BUILD_ERROR = native.load("layer_ops.cpp")
+pytestmark = pytest.mark.skipif(_BUILD_ERROR is not None, reason="layer_ops.cpp does not build here")
+ops = torch.ops.verispec_layer if _BUILD_ERROR is None else None
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
