@@ -77,6 +77,27 @@ def test_adaptive_respects_each_cap_and_pays_for_a_draft_model():
     assert AdaptiveDepth(with_draft).choose([query(6, 0.99)]) == [6]
 
 
+def test_node_gain_floor_is_the_least_average_gain_a_move_from_plain_needs():
+    """One sequence on the saturating curve: one more token costs 0.070 -> ~0.072 s, so a node
+    needs little gain; on the linear curve every token costs as much as a sequence's plain step, so
+    a node must be certain (gain 1), alone or in a batch. The fixed policy has no floor. The
+    adaptive policy keeps no node below it, here on trees of scored nodes."""
+    assert FixedDepth().node_gain_floor([100], 8) == 0.0
+    saturating = AdaptiveDepth(SATURATING).node_gain_floor([0], 8)
+    averages = [(SATURATING.target_seconds(1 + m) / 0.070 - 1) / m for m in range(1, 9)]
+    assert saturating == pytest.approx(min(averages))
+    assert 0.0 < saturating < 0.05
+    linear = AdaptiveDepth(LINEAR)
+    assert linear.node_gain_floor([0], 8) == pytest.approx(1.0)
+    assert linear.node_gain_floor([0, 0], 8) == pytest.approx(1.0)
+    mixed = StepCostModel(Curve((1, 2, 4, 16), (0.040, 0.050, 0.062, 0.160)))
+    policy = AdaptiveDepth(mixed)
+    floor = policy.node_gain_floor([0], 6)
+    for gains in ([0.9, 0.5, 0.3, 0.2, 0.1, 0.05], [0.3, 0.29, 0.2, 0.2, 0.15, 0.1], [0.6] * 6):
+        (kept,) = policy.choose([DepthQuery(cap=6, survival=gains)])
+        assert all(g >= floor for g in gains[:kept]), (gains, kept, floor)
+
+
 def test_acceptance_estimate_learns_forgets_and_starts_from_the_prior():
     prior = AcceptancePrior()
     seq = AcceptanceEstimate(prior)

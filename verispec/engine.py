@@ -21,6 +21,7 @@ output is the same alone or in a batch, speculating or not.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -427,16 +428,32 @@ class SpecEngine:
         active = [i for i, k in enumerate(ks) if k > 0]
         if self.proposer is None or not active:
             return drafts
-        proposed = self.proposer.propose_batch(
-            [seqs[i].proposer_state for i in active],
-            [seqs[i].token_ids for i in active],
-            [ks[i] for i in active],
-        )
+        states = [seqs[i].proposer_state for i in active]
+        token_ids = [seqs[i].token_ids for i in active]
+        if self.proposer.drafts_trees:
+            min_logp = self._tree_floor([s.cache.length for s in seqs], self.proposer.max_tree_size(max(ks)))
+            if min_logp >= 0.0:  # not even a certain node would be kept: drafting cannot pay
+                return drafts
+            proposed = self.proposer.propose_batch(
+                states, token_ids, [ks[i] for i in active], min_logp=min_logp
+            )
+        else:
+            proposed = self.proposer.propose_batch(states, token_ids, [ks[i] for i in active])
         for i, draft in zip(active, proposed, strict=True):
             if _depth(draft) > ks[i]:
                 raise RuntimeError(f"proposer drafted {_depth(draft)} deep, more than the {ks[i]} asked for")
             drafts[i] = draft
         return drafts
+
+    def _tree_floor(self, contexts: list[int], nodes: int) -> float:
+        """The path log-probability below which the policy will keep no tree node this step: its
+        gain floor (:meth:`~verispec.policy.DepthPolicy.node_gain_floor`) through the drafter's
+        calibration. Known before drafting, from costs and past steps only, so drafting less by it
+        cannot bias the output."""
+        floor = self.policy.node_gain_floor(contexts, nodes)
+        if floor <= 0.0:
+            return -math.inf
+        return math.log(floor / self.tree_calibration.factor)
 
     def _size_trees(self, seqs: list[SeqState], drafts: list[Draft | DraftTree]) -> list[Draft | DraftTree]:
         """Keep the best prefix of each scored tree that the depth policy finds worth verifying.

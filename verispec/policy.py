@@ -225,6 +225,12 @@ class DepthPolicy(ABC):
     @abstractmethod
     def _choose(self, queries: Sequence[DepthQuery]) -> list[int]: ...
 
+    def node_gain_floor(self, contexts: Sequence[int], nodes: int) -> float:
+        """A gain (expected accepted tokens) below which no draft node of this step can be worth
+        verifying, for a batch of sequences with these cache lengths whose trees have at most
+        ``nodes`` nodes each. A tree proposer need not expand a node below it (0: no floor)."""
+        return 0.0
+
 
 class FixedDepth(DepthPolicy):
     """Always the maximum k (the classic fixed-k speculative decoding)."""
@@ -282,6 +288,24 @@ class AdaptiveDepth(DepthPolicy):
             keys += m * queries[i].context
             gain += extra_gain
             draft_s += extra_draft
+
+    def node_gain_floor(self, contexts: Sequence[int], nodes: int) -> float:
+        """The least gain per verify token at which any move from plain decoding pays:
+        ``min over m of B * (T(B + m) / T(B) - 1) / m`` for a batch of B sequences (each commits one
+        token at plain cost T(B)), m up to every tree's nodes. A kept set of nodes must average at
+        least this much; a node below it could only ride along with better ones where the cost curve
+        is flat, so this is a heuristic bound, not an exact one. It only ever shrinks what is
+        drafted, from costs and past steps, so it cannot bias the output (for one sequence on the
+        1.5B int4 path it is about 0.2: NOTES.md, session 14)."""
+        if not contexts or nodes < 1:
+            return 0.0
+        tokens, keys = len(contexts), float(sum(contexts))
+        mean = keys / tokens
+        plain = self.costs.target_seconds(tokens, keys)
+        return min(
+            tokens * (self.costs.target_seconds(tokens + m, keys + m * mean) / plain - 1.0) / m
+            for m in range(1, len(contexts) * nodes + 1)
+        )
 
 
 def make_policy(

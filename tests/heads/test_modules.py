@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from verispec.heads.eagle import DraftCache, EagleConfig, EagleDrafter, unrolled_masks
+from tests.models.failed_build import fail_build
+from verispec.heads import eagle
+from verispec.heads.eagle import DraftCache, DraftRows, EagleConfig, EagleDrafter, unrolled_masks
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead, float_lm_head_weight
+from verispec.models import native
 from verispec.models.hf import HFCausalLM
+from verispec.models.lean import NATIVE_SOURCE
 from verispec.models.quant import quantize_int8_dynamic
 
 
@@ -65,6 +70,67 @@ def test_eagle_drafter_incremental_equals_one_pass(tiny_target):
     )
     torch.testing.assert_close(torch.cat([first, second], dim=1), full, rtol=1e-5, atol=1e-5)
     assert cache.length == 5
+
+
+@pytest.mark.parametrize("native_ops", [False, True], ids=["torch-ops", "layer-ops"])
+def test_eagle_drafting_step_computes_what_forward_does(tiny_target, native_ops, monkeypatch):
+    """The drafting pass (:meth:`EagleDrafter.step`: two sequences in one call, each attending over
+    its own cache in place, one with a tree mask over scratch slots) gives forward()'s outputs,
+    with torch's operations and with the C++ layer operations alike, and commits only true pairs."""
+    monkeypatch.setattr(eagle, "use_native", native_ops)
+    if native_ops and native.load(NATIVE_SOURCE) is not None:
+        pytest.skip("the C++ layer operations did not build here")
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    emb, feat = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    with torch.no_grad():
+        want, _, _ = drafter(emb, feat, torch.arange(7), causal)
+    caches = [DraftCache(drafter.config, capacity=2), DraftCache(drafter.config, capacity=2)]
+    # catch-up: sequence 0 feeds 5 pairs, sequence 1 all 7, in one pass
+    groups = [
+        DraftRows(caches[0], 0, torch.arange(5), causal[:5, :5]),
+        DraftRows(caches[1], 0, torch.arange(7), causal),
+    ]
+    out = drafter.step(torch.cat([emb[0, :5], emb[1]]), torch.cat([feat[0, :5], feat[1]]), groups)
+    tol = 1e-3 if native_ops else 1e-5
+    torch.testing.assert_close(out[:5], want[0, :5], rtol=tol, atol=tol)
+    torch.testing.assert_close(out[5:], want[1], rtol=tol, atol=tol)
+    caches[0].commit(5)
+    caches[1].commit(7)
+    assert (caches[0].length, caches[1].length) == (5, 7)  # grown past the capacity of 2
+    # a tree level on sequence 0: two siblings at position 5, each seeing the cache and itself
+    siblings = torch.zeros(2, 7, dtype=torch.bool)
+    siblings[:, :5] = True
+    siblings[0, 5] = siblings[1, 6] = True
+    level = [DraftRows(caches[0], 5, torch.tensor([5, 5]), siblings)]
+    tree = drafter.step(emb[0, 5:7], feat[0, 5:7], level)
+    with torch.no_grad():
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        mask[:, 5:] = torch.eye(2, dtype=torch.bool)
+        positions = torch.tensor([0, 1, 2, 3, 4, 5, 5])
+        full, _, _ = drafter(emb[:1], feat[:1], positions, torch.cat([causal[:5], mask]))
+    torch.testing.assert_close(tree, full[0, 5:], rtol=tol, atol=tol)
+    assert caches[0].length == 5  # the tree's keys stayed in scratch slots
+
+
+def test_a_failed_layer_ops_build_warns_and_drafts_with_torch_s_operations(tiny_target, monkeypatch):
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    emb, feat = torch.randn(4, 64), torch.randn(4, 64)
+
+    def run() -> torch.Tensor:
+        causal = torch.ones(4, 4, dtype=torch.bool).tril()
+        rows = DraftRows(DraftCache(drafter.config), 0, torch.arange(4), causal)
+        return drafter.step(emb, feat, [rows])
+
+    monkeypatch.setattr(eagle, "use_native", False)
+    want = run()
+    monkeypatch.setattr(eagle, "use_native", True)
+    fail_build(monkeypatch, NATIVE_SOURCE)
+    with pytest.warns(UserWarning, match="EAGLE drafting keeps torch's operations"):
+        got = run()
+    assert torch.equal(got, want)
 
 
 def test_unrolled_masks_see_what_a_draft_node_sees():

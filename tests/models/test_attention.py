@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
+from tests.models.failed_build import fail_build
 from verispec.models import attention, native
 from verispec.models.hf import HFCausalLM
 
@@ -105,8 +106,7 @@ def test_a_failed_build_warns_once_and_keeps_the_python_loop(monkeypatch):
     monkeypatch.setattr(attention, "use_native", False)
     want = run()
     monkeypatch.setattr(attention, "use_native", True)
-    monkeypatch.setattr(attention, "_native_error", None)
-    monkeypatch.setattr(native, "load", lambda source: f"building {source} failed: no g++")
+    fail_build(monkeypatch, attention.NATIVE_SOURCE)
     with pytest.warns(UserWarning, match="rowwise_attention.cpp failed: no g"):
         got = run()
     assert torch.equal(got, want)

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from tests.conftest import tiny_llama
+from tests.models.failed_build import fail_build
 from tests.models.test_fused import needs_int4
 from verispec.models import lean, native
 from verispec.models.hf import HFCausalLM
@@ -105,7 +106,7 @@ def test_lean_forward_gives_transformers_bits(family, scheme, monkeypatch):
 def test_native_layer_ops_match_transformers_within_rounding(family, scheme, monkeypatch):
     monkeypatch.setattr(lean, "use_native", True)
     runs = _runs(family, scheme)
-    assert lean._native_error == ""  # the C++ operations ran
+    assert native.load(lean.NATIVE_SOURCE) is None  # the C++ operations are there to run
     # Quantized activations turn a last-bit difference into at most a step of their rounding.
     tol = 1e-4 if scheme == "none" else 2e-2
     for got, want in zip(runs["lean"], runs["transformers"], strict=True):
@@ -140,8 +141,7 @@ def test_a_failed_layer_ops_build_warns_and_keeps_torch_s_operations(monkeypatch
 
     want = run(slow)  # transformers' forward (this also loads the C++ attention, left as it is)
     monkeypatch.setattr(lean, "use_native", True)
-    monkeypatch.setattr(lean, "_native_error", None)
-    monkeypatch.setattr(native, "load", lambda source: f"building {source} failed: no g++")
+    fail_build(monkeypatch, lean.NATIVE_SOURCE)
     with pytest.warns(UserWarning, match="layer_ops.cpp failed: no g"):
         got = run(fast)
     assert torch.equal(got, want)  # torch's operations: transformers' bits

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from unittest.mock import patch
 
 import torch
 
@@ -16,6 +17,7 @@ from verispec.engine import SpecEngine
 from verispec.heads.identity import identify
 from verispec.heads.io import LoadedHeads
 from verispec.models.hf import HFCausalLM
+from verispec.models.int4 import cpu_supports_int4
 from verispec.models.quant import quantize_int8_dynamic
 from verispec.proposers.heads_base import HeadsProposer
 
@@ -49,17 +51,22 @@ def assert_lossless_on_the_int8_path(
     k: int,
     nodes: int,
 ) -> None:
-    """Heads trained on an int8 tiny target and loaded for it are made int8 too (``drafting_linear``
-    picks one of their Linears) and keep greedy output equal to plain decoding on that path."""
+    """Heads trained on an int8 tiny target and loaded for it are quantized too (``drafting_linear``
+    picks one of their Linears): int4 where the int4 kernel runs, else int8, their vocabulary head
+    alike; either way greedy output equals plain decoding on that path, with drafts accepted."""
     int8_target = HFCausalLM(quantize_int8_dynamic(copy.deepcopy(tiny_llama(0))), name="tiny-int8")
     int8_target.quantization = "int8"
     module, _, _ = trained(int8_target, proposer_cls.kind)
-    loaded = LoadedHeads(
-        proposer_cls.kind, copy.deepcopy(module), identify(int8_target), None, {"nodes": nodes, "width": 3}
-    )
-    proposer = proposer_cls.from_loaded(loaded, int8_target)
-    assert type(drafting_linear(proposer)).__name__ == "RowwiseInt8Linear"
-    spec = SpecConfig(method=proposer_cls.kind, num_speculative_tokens=k, depth="fixed")
-    got = SpecEngine(int8_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=30)
-    assert [g.token_ids for g in got] == plain_outputs(int8_target, PROMPTS, 30)
-    assert sum(g.stats.num_accepted for g in got) > 0
+    want = plain_outputs(int8_target, PROMPTS, 30)
+    tree = {"nodes": nodes, "width": 3}
+    for int4_here in (True, False) if cpu_supports_int4() else (False,):
+        loaded = LoadedHeads(proposer_cls.kind, copy.deepcopy(module), identify(int8_target), None, tree)
+        with patch("verispec.models.int4.cpu_supports_int4", return_value=int4_here):
+            proposer = proposer_cls.from_loaded(loaded, int8_target)
+        linear = "Int4Linear" if int4_here else "RowwiseInt8Linear"
+        assert type(drafting_linear(proposer)).__name__ == linear
+        assert type(proposer.vocab_head.linear).__name__ == linear
+        spec = SpecConfig(method=proposer_cls.kind, num_speculative_tokens=k, depth="fixed")
+        got = SpecEngine(int8_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=30)
+        assert [g.token_ids for g in got] == want
+        assert sum(g.stats.num_accepted for g in got) > 0

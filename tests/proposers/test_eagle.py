@@ -25,6 +25,7 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     target,
 )
 from verispec.config import SamplingConfig, SpecConfig
+from verispec.costs import Curve, StepCostModel
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
@@ -102,7 +103,15 @@ def test_trees_stay_within_k_nodes_and_width(tiny_target):
     assert state.cache.length == len(ids) - 1  # drafting left the cache alone
 
 
-def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
+def count_passes(drafter: EagleDrafter, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an entry per drafting pass (:meth:`EagleDrafter.step` call) of ``drafter``."""
+    calls: list[int] = []
+    real = drafter.step
+    monkeypatch.setattr(drafter, "step", lambda *args: (calls.append(1), real(*args))[1])
+    return calls
+
+
+def test_levels_without_a_likely_node_are_not_expanded(tiny_target, monkeypatch):
     """Expansion stops at the first level whose best path probability is below expand_min_prob:
     none past level 1 at a threshold of 1, and the drafter runs once per expanded level."""
     drafter, _, _ = trained(tiny_target, "eagle")
@@ -110,8 +119,7 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
     hidden = tiny_target.forward(
         torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
     ).hidden[0]
-    calls: list[int] = []
-    hook = drafter.register_forward_hook(lambda *_: calls.append(1))  # the drafter is shared: removed below
+    calls = count_passes(drafter, monkeypatch)  # the drafter is shared: monkeypatch restores it
     shapes = {}
     for threshold in (0.0, 0.3, 1.0):
         proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=threshold)
@@ -129,23 +137,62 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target):
                     s for s, d in zip(tree.scores.tolist(), tree.depths(), strict=True) if d == depth - 1
                 ]
                 assert max(level_above) >= math.log(threshold)
-    hook.remove()
     assert shapes[0.0] == (5, 4) and shapes[1.0] == (1, 0)
     assert shapes[1.0][0] <= shapes[0.3][0] <= shapes[0.0][0]
 
 
-def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_pass_per_level(tiny_target):
+def test_the_policy_floor_stops_expansion_like_expand_min_prob(tiny_target, monkeypatch):
+    """``min_logp`` (the depth policy's floor) cuts expansion as ``expand_min_prob`` does: a level
+    whose best node is below it is not expanded, so no drafter pass is spent on children the
+    policy could not keep."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    ids = [5, 17, 42, 8, 9]
+    hidden = tiny_target.forward(
+        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+    ).hidden[0]
+    proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=0.0)
+    state = proposer.new_state(ids, SamplingConfig())
+    proposer.prefill(state, hidden)
+    proposer.propose(state, ids, 1)  # catch up on the prompt first
+    calls = count_passes(drafter, monkeypatch)
+    depths = {}
+    for floor in (-math.inf, 0.0):
+        calls.clear()
+        (tree,) = proposer.propose_batch([state], [ids], [5], min_logp=floor)
+        assert isinstance(tree, DraftTree)
+        depths[floor] = (max(tree.depths()), len(calls))
+    assert depths == {-math.inf: (5, 4), 0.0: (1, 0)}
+
+
+def test_the_engine_skips_drafting_when_no_node_could_pay(tiny_target, monkeypatch):
+    """Where every verify token costs more than a plain step, no node is worth verifying: the
+    engine does not ask the drafter at all (and decodes plainly); where verifying is nearly free
+    it drafts and gets trees accepted. Greedy output equals plain decoding either way."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    want = plain_outputs(tiny_target, PROMPTS[:2], 20)
+    spec = SpecConfig(method="eagle", num_speculative_tokens=4, depth="adaptive")
+    for curve, drafts in (((0.010, 0.700), False), ((0.100, 0.110), True)):
+        proposer = eagle_proposer(tiny_target, drafter)
+        calls = count_passes(drafter, monkeypatch)
+        costs = StepCostModel(Curve((1, 64), curve), correction=0.0)  # the curve as given, not learned
+        engine = SpecEngine(tiny_target, proposer, spec, costs=costs)
+        got = engine.generate_batch(PROMPTS[:2], max_new_tokens=20)
+        assert [g.token_ids for g in got] == want
+        assert bool(calls) == drafts
+        assert (sum(g.stats.num_accepted for g in got) > 0) == drafts
+
+
+def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_pass_per_level(tiny_target, monkeypatch):
     """propose_batch: sequences of different lengths, depths and backlogs draft the same trees as one
-    by one (up to float rounding from padding), with one catch-up pass and one pass per level for the
-    whole batch, and their caches end up the same."""
+    by one, with one catch-up pass and one pass per level for the whole batch, and their caches end
+    up the same."""
     drafter, _, _ = trained(tiny_target, "eagle")
     prompts = [[5, 17, 42, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [11]]
     ks = [5, 3, 4, 2]
     proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=0.0)
     alone = [proposer.new_state(ids, SamplingConfig()) for ids in prompts]
     together = [proposer.new_state(ids, SamplingConfig()) for ids in prompts]
-    calls: list[int] = []
-    hook = drafter.register_forward_hook(lambda *_: calls.append(1))
+    calls = count_passes(drafter, monkeypatch)
     for ids, a, b in zip(prompts[:3], alone[:3], together[:3], strict=True):
         hidden = tiny_target.forward(
             torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
@@ -173,7 +220,6 @@ def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_pass_per_level(ti
             ).hidden[0, -(i + 1) :]
             for state in (alone[i], together[i]):
                 proposer.update(state, ids, i, hidden)
-    hook.remove()
 
 
 def test_registry_loads_eagle_heads_and_refuses_another_target(tmp_path, tiny_target):

@@ -22,12 +22,21 @@ drafter small. Its KV cache (:class:`DraftCache`) holds the true-feature pairs o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from verispec.models import native
+from verispec.models.fused import FusedLinear
+from verispec.models.lean import NATIVE_SOURCE
+
+use_native = True
+"""Draft with ``kernels/layer_ops.cpp``'s operations where they build (float32 on CPU); False keeps
+torch's (the reference the tests compare to)."""
 
 
 @dataclass(frozen=True)
@@ -86,25 +95,81 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return x * cos + rotated * sin
 
 
-@dataclass
 class DraftCache:
-    """Keys and values ``[kv_heads, T, head_dim]`` of one sequence's true-feature pairs."""
+    """Keys and values of one sequence's true-feature pairs, in buffers ``[kv_heads, capacity,
+    head_dim]`` that grow by doubling (a step appends a few pairs; re-concatenating the whole cache
+    each step would copy it every time).
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    Slots past :attr:`length` are scratch: a drafting step writes its tree nodes' keys there
+    (:meth:`EagleDrafter.step`), where the next step's true pairs overwrite them, so a draft never
+    has to be rolled back.
+    """
 
-    @property
-    def length(self) -> int:
-        return int(self.keys.shape[1])
+    def __init__(self, config: EagleConfig, capacity: int = 256) -> None:
+        shape = (config.num_key_value_heads, capacity, config.head_dim)
+        self._keys, self._values = torch.zeros(shape), torch.zeros(shape)
+        self.length = 0
 
     @classmethod
     def empty(cls, config: EagleConfig) -> DraftCache:
-        shape = (config.num_key_value_heads, 0, config.head_dim)
-        return cls(torch.empty(shape), torch.empty(shape))
+        return cls(config)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``[kv_heads, length, head_dim]``: the committed pairs' keys (a view)."""
+        return self._keys[:, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, : self.length]
+
+    def reserve(self, end: int) -> None:
+        """Make slots ``0 .. end - 1`` writable (committed ones keep their contents)."""
+        capacity = self._keys.shape[1]
+        if end <= capacity:
+            return
+        grown = max(end, 2 * capacity)
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], grown, old.shape[2])
+            new[:, :capacity] = old
+            setattr(self, name, new)
+
+    def write(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values [kv_heads, n, head_dim]`` at slots ``slot .. slot + n - 1``."""
+        end = slot + keys.shape[1]
+        self.reserve(end)
+        self._keys[:, slot:end] = keys
+        self._values[:, slot:end] = values
+
+    def visible(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots ``0 .. end - 1`` (committed and scratch), as views."""
+        return self._keys[:, :end], self._values[:, :end]
+
+    def commit(self, count: int) -> None:
+        """The ``count`` slots after the committed ones hold true pairs now (written by a pass)."""
+        self.reserve(self.length + count)
+        self.length += count
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys = torch.cat([self.keys, keys], dim=1)
-        self.values = torch.cat([self.values, values], dim=1)
+        self.write(self.length, keys, values)
+        self.commit(keys.shape[1])
+
+
+@dataclass
+class DraftRows:
+    """One sequence's share of a drafting pass (:meth:`EagleDrafter.step`): ``count`` consecutive
+    rows of the pass, at ``positions [count]``, whose keys and values go to ``cache`` slots
+    ``slot .. slot + count - 1`` and which see the slots ``mask [count, slot + count]`` allows."""
+
+    cache: DraftCache
+    slot: int
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.positions.shape[0])
 
 
 class EagleDrafter(nn.Module):
@@ -152,6 +217,74 @@ class EagleDrafter(nn.Module):
         x = self.fc(torch.cat([self.embed_norm(embeds), self.feature_norm(features)], dim=-1))
         x, keys, values = self.layers[0](x, positions, mask, past)
         return self.norm(x), keys, values
+
+    @torch.inference_mode()
+    def step(self, embeds: torch.Tensor, features: torch.Tensor, groups: Sequence[DraftRows]) -> torch.Tensor:
+        """The drafting forward: :meth:`forward`'s arithmetic over a flat batch of pairs
+        ``embeds``/``features [N, H]``, split into consecutive :class:`DraftRows` (one per sequence),
+        returning the outputs ``[N, H]``; each group's keys and values are written into its cache.
+
+        Why a second forward: at decode time a pass has a few rows, so its cost is the per-operation
+        overhead, not arithmetic (1.5B drafter, 2 CPU cores: ~2.7 ms per pass through
+        :meth:`forward`, for ~1 ms of weight reads). Here every row goes through the Linears
+        together, but each sequence attends over its own cache in place (no padded copies of the
+        caches, no ``repeat_interleave`` of the key/value heads), rotary tables are cached, and in
+        float32 on CPU the norms, the rotary embedding and the SiLU product are single calls of
+        :mod:`verispec.models.kernels` ``layer_ops.cpp``. Those round differently from torch's
+        operations in the last bits, which only moves draft probabilities (a draft has to be good,
+        not exact).
+        """
+        ops = torch.ops.verispec_layer if _native_ready(embeds) else None
+        cfg = self.config
+        layer = self.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        pairs = [_norm(self.embed_norm, embeds, ops), _norm(self.feature_norm, features, ops)]
+        x = self.fc(torch.cat(pairs, dim=-1))
+        qkv = _joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", _norm(layer.input_layernorm, x, ops))
+        qkv = qkv.contiguous()
+        cos, sin = self._rope(torch.cat([g.positions for g in groups]))
+        rotated = cfg.num_attention_heads + cfg.num_key_value_heads
+        if ops is not None:
+            ops.rotary_(qkv, cos, sin, rotated)
+        else:
+            heads = qkv.view(qkv.shape[0], -1, cfg.head_dim)
+            heads[:, :rotated] = _apply_rotary(heads[:, :rotated], cos[:, None], sin[:, None])
+        x, h = _add_norm(x, attn.o_proj(self._attend(qkv, groups)), layer.post_attention_layernorm, ops)
+        gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
+        product = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
+        return _add_norm(x, mlp.down_proj(product), self.norm, ops)[1]
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[N, head_dim]`` at ``positions [N]``, from a table grown by doubling (the same
+        values :func:`rotary` computes, without its float64 arithmetic per pass)."""
+        need = int(positions.max()) + 1
+        table = getattr(self, "_rope_table", None)
+        if table is None or table[0].shape[0] < need:
+            size = max(need, 2 * (table[0].shape[0] if table is not None else 128))
+            table = rotary(torch.arange(size), self.config.head_dim, self.config.rope_theta)
+            self._rope_table = table
+        return table[0][positions], table[1][positions]
+
+    def _attend(self, qkv: torch.Tensor, groups: Sequence[DraftRows]) -> torch.Tensor:
+        """Attention of each group over its cache, ``[N, heads * head_dim]``. The query heads that
+        share a key/value head are stacked as extra query rows of that head, so one SDPA call per
+        sequence reads the cache where it lies."""
+        cfg = self.config
+        heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        shared = heads // kv
+        parts = qkv.view(qkv.shape[0], heads + 2 * kv, d)
+        outs, row = [], 0
+        for g in groups:
+            n = g.count
+            rows = parts[row : row + n]
+            row += n
+            new_keys, new_values = rows[:, heads : heads + kv], rows[:, heads + kv :]
+            g.cache.write(g.slot, new_keys.transpose(0, 1), new_values.transpose(0, 1))
+            keys, values = g.cache.visible(g.slot + n)
+            query = rows[:, :heads].transpose(0, 1).reshape(kv, shared * n, d)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask.repeat(shared, 1))
+            outs.append(out.view(heads, n, d).transpose(0, 1).reshape(n, heads * d))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class _Layer(nn.Module):
@@ -223,6 +356,36 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _native_ready(x: torch.Tensor) -> bool:
+    """Whether :meth:`EagleDrafter.step` runs the C++ layer operations (float32 on CPU, built)."""
+    if not use_native or x.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    return native.ready(NATIVE_SOURCE, "EAGLE drafting keeps torch's operations")
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor, ops: Any) -> torch.Tensor:
+    return ops.rms_norm(x.contiguous(), norm.weight, norm.eps) if ops is not None else norm(x)
+
+
+def _add_norm(
+    x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, ops: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, norm(x + delta))``, one C++ call when ``ops`` are there."""
+    if ops is not None:
+        return ops.add_rms_norm(x.contiguous(), delta.contiguous(), norm.weight, norm.eps)
+    total = x + delta
+    return total, norm(total)
+
+
+def _joint(module: nn.Module, names: tuple[str, ...], fused_name: str, x: torch.Tensor) -> torch.Tensor:
+    """The outputs of ``module``'s Linears ``names`` side by side: one product where quantization
+    fused them (:mod:`verispec.models.fused`), else one call each."""
+    fused = getattr(module, fused_name, None)
+    if isinstance(fused, FusedLinear):
+        return fused.linear(x)
+    return torch.cat([getattr(module, name)(x) for name in names], dim=-1)
 
 
 def unrolled_masks(length: int, passes: int) -> list[torch.Tensor]:

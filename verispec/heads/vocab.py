@@ -9,8 +9,10 @@ acceptance only where the target would have chosen a rare token. The draft vocab
 the heads (``draft_vocab``, target token ids in draft-index order).
 
 Drafting uses the target's head as it runs (int8 on the CPU fast path, rows sliced without
-re-quantizing); training uses its float weights (the de-quantized int8 weights for an int8 target,
-so the heads learn the head they will draft with).
+re-quantizing), or those rows re-quantized to int4 where the heads run int4
+(:func:`~verispec.proposers.heads_base.heads_quantization`: at a few rows the int4 kernel's product
+costs 40-65% of fbgemm's int8); training uses its float weights (the de-quantized int8 weights for an
+int8 target, so the heads learn the head they will draft with).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class VocabHead(nn.Module):
     The weights are the target's and are never trained: registered as buffers, not parameters.
     """
 
-    def __init__(self, target: Any, vocab: torch.Tensor | None, *, for_training: bool = False) -> None:
+    def __init__(
+        self, target: Any, vocab: torch.Tensor | None, *, for_training: bool = False, int4: bool = False
+    ) -> None:
         super().__init__()
         ids = vocab.long() if vocab is not None else None
         self.register_buffer("vocab", ids if ids is not None else torch.empty(0, dtype=torch.long))
@@ -51,7 +55,14 @@ class VocabHead(nn.Module):
         self.softcap = getattr(target, "softcap", None)
         head = target.lm_head
         self.linear: nn.Module | None = None
-        if not for_training and isinstance(head, RowwiseInt8Linear):
+        if int4 and not for_training:
+            from verispec.models.int4 import Int4Linear, quantize_weight
+
+            weight = float_lm_head_weight(target)
+            weight = weight[ids] if ids is not None else weight
+            self.linear = Int4Linear(*quantize_weight(weight), None, tuple(weight.shape))
+            self.register_buffer("weight", torch.empty(0))
+        elif not for_training and isinstance(head, RowwiseInt8Linear):
             int8, scales = _int8_rows(head)
             if ids is not None:
                 int8, scales = int8[ids], scales[ids]

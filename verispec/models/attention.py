@@ -35,8 +35,6 @@ transformers' SDPA.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,7 +50,6 @@ use_native = True
 """Run decode and verify rows through ``kernels/rowwise_attention.cpp`` (one call per row and layer)
 where it builds; False keeps the Python loop over positions (the reference the tests compare to)."""
 NATIVE_SOURCE = "rowwise_attention.cpp"
-_native_error: str | None = None  # None: not tried yet; "": loaded
 ROWWISE_MAX_QUERIES = MAX_SPECULATIVE_TOKENS + 2
 """Decode and verify steps feed at most k + 2 tokens (a pending token the draft lags by, the last
 committed token and k drafts); longer rows are prefills and take SDPA."""
@@ -115,7 +112,6 @@ def rowwise_attention(
 
 def _native_ready(query: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether this row runs verispec's C++ attention (float32 on CPU, where it builds)."""
-    global _native_error
     if (
         not use_native
         or query.dtype != torch.float32
@@ -123,11 +119,7 @@ def _native_ready(query: torch.Tensor, keys: torch.Tensor) -> bool:
         or query.device.type != "cpu"
     ):
         return False
-    if _native_error is None:
-        _native_error = native.load(NATIVE_SOURCE) or ""
-        if _native_error:
-            warnings.warn(f"{_native_error}; decode rows use the Python attention loop", stacklevel=2)
-    return not _native_error
+    return native.ready(NATIVE_SOURCE, "decode rows use the Python attention loop")
 
 
 def _lay_out_path(

@@ -26,7 +26,6 @@ batch-invariant, and one process uses one path for every forward (:data:`use_nat
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -41,7 +40,6 @@ use_native = True
 """Run the layers' small operations through ``kernels/layer_ops.cpp`` where it builds (float32 on
 CPU); False keeps the torch operations, transformers' bits (the reference the tests compare to)."""
 NATIVE_SOURCE = "layer_ops.cpp"
-_native_error: str | None = None  # None: not tried yet; "": loaded
 
 _LAYERS = {
     "Qwen2Model": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
@@ -96,14 +94,9 @@ def forward(
 
 def _native_ready(hidden: torch.Tensor) -> bool:
     """Whether this forward runs the C++ layer operations (float32 on CPU, where they build)."""
-    global _native_error
     if not use_native or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
         return False
-    if _native_error is None:
-        _native_error = native.load(NATIVE_SOURCE) or ""
-        if _native_error:
-            warnings.warn(f"{_native_error}; the lean forward keeps torch's operations", stacklevel=3)
-    return not _native_error
+    return native.ready(NATIVE_SOURCE, "the lean forward keeps torch's operations")
 
 
 def _native_forward(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ _ISA_CPUINFO = {
 """The /proc/cpuinfo flags each needs."""
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # source name -> None (loaded) or why it failed
+_warned: set[str] = set()  # sources whose failed build a caller has warned about
 
 
 @functools.cache
@@ -81,3 +83,15 @@ def load(source: str) -> str | None:
             except Exception as exc:  # a missing compiler or headers: the caller decides
                 _loaded[source] = f"building {source} failed: {exc}"
         return _loaded[source]
+
+
+def ready(source: str, fallback: str) -> bool:
+    """Whether the operators of ``kernels/<source>`` are there to call (built or loaded on the first
+    ask). When the build fails, the first caller to ask warns once, naming ``fallback`` (what it
+    runs instead), and every caller gets False from then on: a missing compiler costs speed, never
+    a crash."""
+    error = load(source)
+    if error and source not in _warned:
+        _warned.add(source)
+        warnings.warn(f"{error}; {fallback}", stacklevel=3)
+    return not error

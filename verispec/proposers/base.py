@@ -10,6 +10,7 @@ draft for many sequences in one forward pass.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -49,15 +50,27 @@ class Proposer(ABC):
         deep.
         """
 
+    def max_tree_size(self, k: int) -> int:
+        """The most nodes a draft ``k`` deep may have (a chain: k)."""
+        return k
+
     def backlog(self, state: Any, token_ids: Sequence[int]) -> int:
         """Committed tokens the proposer must process before it can draft (a draft model that sat out
         steps catches up on them in one forward); the depth policy prices them. 0 by default."""
         return 0
 
     def propose_batch(
-        self, states: Sequence[Any], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+        self,
+        states: Sequence[Any],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        min_logp: float = -math.inf,
     ) -> list[Draft | DraftTree]:
-        """Draft for several sequences at once (a draft model batches its forwards); one by one here."""
+        """Draft for several sequences at once (a draft model batches its forwards); one by one here.
+
+        ``min_logp``: for scored trees (:attr:`drafts_trees`), the path log-probability below which
+        the depth policy will keep no node this step; a proposer may stop expanding there."""
         return [self.propose(s, t, k) for s, t, k in zip(states, token_ids, ks, strict=True)]
 
     @abstractmethod

@@ -9,6 +9,7 @@ tokens, feeding each but the last.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,12 @@ class DraftModelProposer(Proposer):
         return self.propose_batch([state], [token_ids], [k])[0]
 
     def propose_batch(
-        self, states: Sequence[DraftModelState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+        self,
+        states: Sequence[DraftModelState],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        min_logp: float = -math.inf,  # chains are sized by the policy before drafting
     ) -> list[Draft]:
         """Draft for every sequence together: draft step i is one batched forward over the rows
         still drafting (a row stops at its k, or early under p_min)."""

@@ -13,16 +13,21 @@ Per sequence the drafter keeps a KV cache of its true-feature pairs ``(h_j, x_{j
    next tokens; stop once no node of the newest level has a path probability of
    ``expand_min_prob``, since their children could only score lower and the depth policy keeps
    almost no such node (1.5B, 4 HumanEval prompts: 3% of kept nodes below 0.05, a quarter of them
-   accepted), while every expansion is one more drafter pass;
+   accepted), while every expansion is one more drafter pass; stop too below the engine's
+   ``min_logp``, the policy's floor for this step (on the 1.5B int4 path a second verify token
+   costs ~20% of a step, so it keeps one node in most steps: the floor saved ~2 of ~7 ms of
+   drafting per step at the same accepted length, NOTES.md session 14);
 3. rerank: keep the ``nodes`` best-scoring nodes of everything expanded, at most k deep.
 
 A batch drafts together (:meth:`EagleProposer.propose_batch`): one catch-up pass for all sequences
-and one pass per level over every tree still expanding, rows and keys padded to the longest and
-masked out, then one LM-head product over all their rows. At a handful of rows a pass costs about a
-weight read, so a batch of n pays one read per level instead of n.
+and one pass per level over every tree still expanding (:meth:`EagleDrafter.step`: the Linears over
+all rows at once, attention per sequence over its own cache), then one LM-head product over all
+their rows. At a handful of rows a pass costs about a weight read, so a batch of n pays one read per
+level instead of n.
 
-Draft keys and values of step 2 are temporary and never enter the cache, so nothing has to be rolled
-back after verification: the true features of what was accepted come in with the next update.
+Draft keys and values of step 2 go to scratch slots past the cache's committed ones, which the next
+step's true pairs overwrite, so nothing has to be rolled back after verification: the true features
+of what was accepted come in with the next update.
 Candidates are the draft's top tokens (deterministic), so sampling verification stays exact.
 """
 
@@ -35,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verispec.heads.eagle import DraftCache, EagleDrafter
+from verispec.heads.eagle import DraftCache, DraftRows, EagleDrafter
 from verispec.heads.trees import best_subtree
 from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
-from verispec.proposers.heads_base import HeadsProposer
+from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
@@ -75,7 +80,7 @@ class EagleProposer(HeadsProposer):
         *,
         nodes: int,
         width: int,
-        quantize: bool = False,
+        quantize: HeadsQuantization = "none",
         expand_min_prob: float = EXPAND_MIN_PROB,
     ) -> None:
         super().__init__(drafter, vocab_head, nodes=nodes, width=width, quantize=quantize)
@@ -111,12 +116,20 @@ class EagleProposer(HeadsProposer):
 
     @torch.inference_mode()
     def propose_batch(
-        self, states: Sequence[EagleState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+        self,
+        states: Sequence[EagleState],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        min_logp: float = -math.inf,
     ) -> list[Draft | DraftTree]:
         """Draft every sequence's tree level by level, all sequences in one drafter pass per level
         (and one catch-up pass): the drafter's and the LM head's weights are read once per level
         for the batch instead of once per sequence, which is what a level costs at small row counts.
+        A level is expanded only while its best node scores at least ``expand_min_prob`` and
+        ``min_logp`` (the policy's floor: children of a node below it cannot be kept either).
         """
+        floor = max(self.expand_min_logp, min_logp)
         self._catch_up(states, token_ids)
         trees = [
             _Tree(state, k) if state.last_out is not None and k >= 1 else None
@@ -124,110 +137,85 @@ class EagleProposer(HeadsProposer):
         ]
         live = [t for t in trees if t is not None]
         if live:
-            guesses = torch.stack([t.state.last_out for t in live if t.state.last_out is not None])
-            for t, guess, logp in zip(live, guesses, self._logp(guesses), strict=True):
-                t.level = t.add_children(-1, guess, logp, 0.0, self)
+            roots = torch.stack([t.state.last_out for t in live if t.state.last_out is not None])
+            self._add_children([(t, -1) for t in live], roots)
         for depth in range(1, max((t.k for t in live), default=0)):
             expanding = []
             for t in live:
                 if depth < t.k:
                     chosen = sorted(t.level, key=lambda n, t=t: -t.scores[n])[: self.width]
-                    if t.scores[chosen[0]] >= self.expand_min_logp:
+                    if t.scores[chosen[0]] >= floor:
                         expanding.append((t, chosen))
             if not expanding:
                 break
             out = self._expand(expanding, depth)
-            logp = self._logp(torch.cat([o[: len(c)] for o, (_, c) in zip(out, expanding, strict=True)]))
-            row = 0
-            for o, (t, chosen) in zip(out, expanding, strict=True):
-                t.level = []
-                for r, n in enumerate(chosen):
-                    t.level += t.add_children(n, o[r], logp[row], t.scores[n], self)
-                    row += 1
+            self._add_children([(t, n) for t, chosen in expanding for n in chosen], out)
         return [Draft.empty() if t is None else t.best(self.nodes) for t in trees]
 
-    def _expand(self, expanding: list[tuple[_Tree, list[int]]], depth: int) -> torch.Tensor:
-        """One drafter pass over the chosen nodes of several trees: each row attends to its
-        sequence's cache, its expanded ancestors and itself (a tree mask); rows and keys are padded
-        to the batch's longest and masked out. Returns the outputs ``[B, R, H]`` and stores each
-        tree's new draft keys/values."""
-        rows = max(len(c) for _, c in expanding)
-        pasts = [t.state.cache.length + t.draft_k.shape[1] for t, _ in expanding]
-        past = max(pasts)
-        embeds, features, positions, mask, keys, values = self._padded(len(expanding), rows, past)
-        mask[:, torch.arange(rows), past + torch.arange(rows)] = True  # itself (also padded rows)
-        for i, (t, chosen) in enumerate(expanding):
-            cached = t.state.cache.length
-            embeds[i, : len(chosen)] = self._embed([t.tokens[n] for n in chosen])
-            features[i, : len(chosen)] = torch.stack([t.inputs[n] for n in chosen])
-            positions[i] = t.state.fed + depth - 1
-            mask[i, : len(chosen), :cached] = True
-            for r, n in enumerate(chosen):
-                mask[i, r, [cached + s for s in t.ancestors[n]]] = True
-                t.slot[n] = t.draft_k.shape[1] + r
-            keys[i, :, :cached], keys[i, :, cached : pasts[i]] = t.state.cache.keys, t.draft_k
-            values[i, :, :cached], values[i, :, cached : pasts[i]] = t.state.cache.values, t.draft_v
-        out, new_k, new_v = self.drafter(embeds, features, positions, mask, past=(keys, values))
-        for i, (t, chosen) in enumerate(expanding):
-            t.draft_k = torch.cat([t.draft_k, new_k[i, :, : len(chosen)]], dim=1)
-            t.draft_v = torch.cat([t.draft_v, new_v[i, :, : len(chosen)]], dim=1)
-        return out
+    def _add_children(self, parents: list[tuple[_Tree, int]], features: torch.Tensor) -> None:
+        """Give each parent node (-1: the tree's root) its ``width`` best next tokens under the
+        drafter's outputs ``features [len(parents), H]``; the new nodes are their trees' newest
+        level. One LM-head product and one top-k for all of them."""
+        top_logp, top_idx = self._logp(features).topk(self.width, dim=-1)
+        tokens = self.vocab_head.to_target(top_idx).tolist()
+        for t, _ in parents:
+            t.level = []
+        rows = zip(parents, features, tokens, top_logp.tolist(), strict=True)
+        for (t, parent), feature, toks, logps in rows:
+            t.level += t.add_children(parent, feature, toks, logps)
 
-    def _padded(self, b: int, rows: int, past: int) -> tuple[torch.Tensor, ...]:
-        """Zeroed drafter inputs for ``b`` sequences padded to ``rows`` new pairs and ``past`` cached
-        keys: embeddings and features ``[b, rows, H]``, positions ``[b, rows]``, a mask with nothing
-        visible ``[b, rows, past + rows]``, and keys and values ``[b, kv, past, d]``."""
-        cfg = self.drafter.config
-        h, kv, d = cfg.hidden_size, cfg.num_key_value_heads, cfg.head_dim
-        return (
-            torch.zeros(b, rows, h),
-            torch.zeros(b, rows, h),
-            torch.zeros(b, rows, dtype=torch.long),
-            torch.zeros(b, rows, past + rows, dtype=torch.bool),
-            torch.zeros(b, kv, past, d),
-            torch.zeros(b, kv, past, d),
-        )
+    def _expand(self, expanding: list[tuple[_Tree, list[int]]], depth: int) -> torch.Tensor:
+        """One drafter pass over the chosen nodes of several trees, ``[rows, H]`` in their order:
+        each row attends to its sequence's cache, its expanded ancestors and itself (a tree mask);
+        its key and value go to the cache's scratch slots (:class:`~verispec.heads.eagle.DraftCache`)."""
+        nodes = [(t, n) for t, chosen in expanding for n in chosen]
+        embeds = self._embed([t.tokens[n] for t, n in nodes])
+        features = torch.stack([t.inputs[n] for t, n in nodes])
+        groups = []
+        for t, chosen in expanding:
+            cached, count = t.state.cache.length, len(chosen)
+            slot = cached + t.drafted
+            mask = torch.zeros(count, slot + count, dtype=torch.bool)
+            mask[:, :cached] = True
+            for r, n in enumerate(chosen):
+                mask[r, [cached + s for s in t.ancestors[n]] + [slot + r]] = True
+                t.slot[n] = t.drafted + r
+            t.drafted += count
+            positions = torch.full((count,), t.state.fed + depth - 1, dtype=torch.long)
+            groups.append(DraftRows(t.state.cache, slot, positions, mask))
+        return self.drafter.step(embeds, features, groups)
 
     def _logp(self, features: torch.Tensor) -> torch.Tensor:
         return self.vocab_head(features).float().log_softmax(dim=-1)
 
     def _catch_up(self, states: Sequence[EagleState], token_ids: Sequence[Sequence[int]]) -> None:
-        """Feed the pairs whose target features arrived since the last step: one forward for all
-        sequences, each row seeing its sequence's cache and its own earlier new pairs (causal),
-        padded rows and keys masked out."""
-        todo = []
-        for state, ids in zip(states, token_ids, strict=True):
+        """Feed the pairs whose target features arrived since the last step: one pass for all
+        sequences, each row seeing its sequence's cache and its own earlier new pairs (causal)."""
+        todo, ids, features, groups = [], [], [], []
+        for state, seq_ids in zip(states, token_ids, strict=True):
             if not state.pending:
                 continue
-            features = torch.cat(state.pending)
+            new = torch.cat(state.pending)
             state.pending.clear()
-            if state.fed + features.shape[0] != len(ids) - 1:
+            start, n = state.fed, new.shape[0]
+            if start + n != len(seq_ids) - 1:
                 raise RuntimeError(
-                    f"eagle proposer out of step: {state.fed + features.shape[0]} target features for "
-                    f"{len(ids)} tokens"
+                    f"eagle proposer out of step: {start + n} target features for {len(seq_ids)} tokens"
                 )
-            todo.append((state, ids, features))
+            todo.append((state, n))
+            ids += seq_ids[start + 1 : start + n + 1]
+            features.append(new)
+            causal = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+            groups.append(DraftRows(state.cache, start, torch.arange(start, start + n), causal))
         if not todo:
             return
-        rows = max(f.shape[0] for _, _, f in todo)
-        past = max(state.fed for state, _, _ in todo)
-        embeds, features, positions, mask, keys, values = self._padded(len(todo), rows, past)
-        mask[:, :, past:] = torch.ones(rows, rows, dtype=torch.bool).tril()
-        for i, (state, ids, new) in enumerate(todo):
-            n, start = new.shape[0], state.fed
-            embeds[i, :n] = self._embed(ids[start + 1 : start + n + 1])
-            features[i, :n] = new
-            positions[i] = torch.arange(start, start + rows)
-            mask[i, :, :start] = True
-            keys[i, :, :start], values[i, :, :start] = state.cache.keys, state.cache.values
-        out, new_k, new_v = self.drafter(
-            embeds, features, positions, mask, past=(keys, values) if past else None
-        )
-        for i, (state, _, new) in enumerate(todo):
-            n = new.shape[0]
-            state.cache.append(new_k[i, :, :n], new_v[i, :, :n])
+        out = self.drafter.step(self._embed(ids), torch.cat(features), groups)
+        row = 0
+        for state, n in todo:
+            state.cache.commit(n)
             state.fed += n
-            state.last_out = out[i, n - 1].clone()
+            row += n
+            state.last_out = out[row - 1].clone()
 
 
 @dataclass
@@ -243,35 +231,31 @@ class _Tree:
     inputs: list[torch.Tensor] = field(default_factory=list)
     """Per node: the feature its own pair carries (its parent's drafter output)."""
     ancestors: list[list[int]] = field(default_factory=list)
-    """Per node: the draft KV slots of its expanded ancestors."""
+    """Per node: the scratch slots (after the cache's committed ones) of its expanded ancestors."""
     slot: dict[int, int] = field(default_factory=dict)
+    """Expanded nodes' scratch slots."""
+    drafted: int = 0
+    """Scratch slots used so far (nodes expanded)."""
     level: list[int] = field(default_factory=list)
     """The newest level's nodes."""
-    draft_k: torch.Tensor = field(init=False)
-    draft_v: torch.Tensor = field(init=False)
-    """Keys and values ``[kv, D, d]`` of the expanded nodes (temporary, never cached)."""
-
-    def __post_init__(self) -> None:
-        cached = self.state.cache.keys
-        self.draft_k = cached.new_empty(cached.shape[0], 0, cached.shape[2])
-        self.draft_v = self.draft_k.clone()
 
     def best(self, nodes: int) -> DraftTree:
         return best_subtree(self.tokens, self.parents, self.scores, nodes)
 
     def add_children(
-        self, parent: int, feature: torch.Tensor, logp: torch.Tensor, base: float, proposer: EagleProposer
+        self, parent: int, feature: torch.Tensor, tokens: list[int], logps: list[float]
     ) -> list[int]:
-        """The ``width`` best next tokens of ``parent`` (-1: the root) as new nodes."""
-        top_logp, top_idx = logp.topk(proposer.width)
+        """``tokens`` (with their draft log-probabilities) as children of ``parent`` (-1: the root)."""
+        base = self.scores[parent] if parent >= 0 else 0.0
+        ancestors = [] if parent < 0 else [*self.ancestors[parent], self.slot[parent]]
         new = []
-        for lp, tok in zip(top_logp.tolist(), proposer.vocab_head.to_target(top_idx).tolist(), strict=True):
+        for tok, lp in zip(tokens, logps, strict=True):
             new.append(len(self.tokens))
             self.tokens.append(tok)
             self.parents.append(parent)
             self.scores.append(base + lp)
             self.inputs.append(feature)
-            self.ancestors.append([] if parent < 0 else [*self.ancestors[parent], self.slot[parent]])
+            self.ancestors.append(ancestors)
         return new
 
 

@@ -2,13 +2,14 @@
 
 Both draft token trees from the target's own hidden states through a (possibly reduced-vocabulary)
 share of its LM head, take their tree shape from the heads' manifest unless the spec overrides it,
-and run int8 when the target does. Keeping that here means a third learned drafter gets the same
-loading rules (refusal of heads trained for another target, tree defaults) without copying them.
+and run quantized when the target does (:func:`heads_quantization`). Keeping that here means a
+third learned drafter gets the same loading rules (refusal of heads trained for another target,
+tree defaults) without copying them.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import torch
 
@@ -20,6 +21,26 @@ from verispec.proposers.base import Proposer
 if TYPE_CHECKING:
     from verispec.config import SpecConfig
     from verispec.models.base import CausalLM
+
+
+HeadsQuantization = Literal["none", "int8", "int4"]
+
+
+def heads_quantization(target: Any) -> HeadsQuantization:
+    """How learned heads run beside ``target``: float when it does, else int4 where verispec's int4
+    kernel runs on this CPU, else int8.
+
+    Why int4 even beside an int8 target: a drafting pass has 1-4 rows, where a product costs its
+    weight read plus a fixed overhead, and both are lower for the int4 kernel than for fbgemm's
+    int8 (1.5B EAGLE drafter on a 2-core AVX2 CPU, cold caches, 4 rows: 1.17 ms per pass with its
+    8k-token LM head vs 2.15 ms; NOTES.md, session 14). A draft only has to be good, not exact,
+    and the target verifies every token at its own precision, so output is unchanged.
+    """
+    if getattr(target, "quantization", "none") not in ("int8", "int4"):
+        return "none"
+    from verispec.models.int4 import cpu_supports_int4
+
+    return "int4" if cpu_supports_int4() else "int8"
 
 
 class HeadsProposer(Proposer):
@@ -37,16 +58,17 @@ class HeadsProposer(Proposer):
         *,
         nodes: int,
         width: int,
-        quantize: bool = False,
+        quantize: HeadsQuantization = "none",
     ) -> None:
+        """``quantize``: the heads' Linears (the vocabulary head is the target's, see
+        :class:`~verispec.heads.vocab.VocabHead`); see :func:`heads_quantization`."""
         if nodes < 1 or width < 1:
             raise VerispecError(f"tree nodes and width must be >= 1, got nodes={nodes} width={width}")
         module.eval()
-        if quantize:
-            from verispec.models.quant import quantize_int8_dynamic
+        if quantize != "none":
+            from verispec.models.quant import quantize_model
 
-            # Drafting reads a quarter of the bytes; a draft only has to be good, not exact.
-            quantize_int8_dynamic(module)
+            quantize_model(module, quantize)
         self.vocab_head = vocab_head
         self.nodes = nodes
         self.width = min(width, vocab_head.size)
@@ -54,9 +76,12 @@ class HeadsProposer(Proposer):
             "tree_nodes": nodes,
             "tree_width": self.width,
             "draft_vocab": vocab_head.size,
-            "int8": quantize,
+            "quantization": quantize,
         }
         """What defines this proposer, for benchmark reports."""
+
+    def max_tree_size(self, k: int) -> int:
+        return self.nodes
 
     @classmethod
     def from_loaded(cls, loaded: LoadedHeads, target: Any, spec: SpecConfig | None = None) -> Self:
@@ -64,13 +89,14 @@ class HeadsProposer(Proposer):
 
         The spec's tree settings win over the ones the heads were shipped with.
         """
+        quantization = heads_quantization(target)
         proposer = cls(
             loaded.module,
-            VocabHead(target, loaded.draft_vocab),
+            VocabHead(target, loaded.draft_vocab, int4=quantization == "int4"),
             *cls._target_parts(target),
             nodes=(spec.tree_nodes if spec is not None else None) or loaded.tree["nodes"],
             width=(spec.tree_width if spec is not None else None) or loaded.tree["width"],
-            quantize=getattr(target, "quantization", "none") in ("int8", "int4"),
+            quantize=quantization,
         )
         proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
         return proposer

@@ -70,6 +70,9 @@ class HybridProposer(Proposer):
         }
         """What defines this proposer, for benchmark reports."""
 
+    def max_tree_size(self, k: int) -> int:
+        return self.heads.max_tree_size(k) + k  # the lookup branch may share no node with the tree
+
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> HybridState:
         return HybridState(
             heads=self.heads.new_state(prompt_ids, sampling),
@@ -85,9 +88,14 @@ class HybridProposer(Proposer):
         return self.propose_batch([state], [token_ids], [k])[0]
 
     def propose_batch(
-        self, states: Sequence[HybridState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+        self,
+        states: Sequence[HybridState],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        min_logp: float = -math.inf,
     ) -> list[Draft | DraftTree]:
-        trees = self.heads.propose_batch([s.heads for s in states], token_ids, ks)
+        trees = self.heads.propose_batch([s.heads for s in states], token_ids, ks, min_logp=min_logp)
         out: list[Draft | DraftTree] = []
         for state, ids, k, tree in zip(states, token_ids, ks, trees, strict=True):
             state.chain = self.lookup.propose(state.lookup, ids, k).tokens.tolist()

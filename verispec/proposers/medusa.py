@@ -13,6 +13,7 @@ reads a quarter of the bytes, and a draft only has to be good, not exact.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ from verispec.heads.medusa import MedusaHeads
 from verispec.heads.trees import product_tree
 from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
-from verispec.proposers.heads_base import HeadsProposer
+from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
@@ -43,7 +44,13 @@ class MedusaProposer(HeadsProposer):
     kind = "medusa"
 
     def __init__(
-        self, heads: MedusaHeads, vocab_head: VocabHead, *, nodes: int, width: int, quantize: bool = False
+        self,
+        heads: MedusaHeads,
+        vocab_head: VocabHead,
+        *,
+        nodes: int,
+        width: int,
+        quantize: HeadsQuantization = "none",
     ) -> None:
         super().__init__(heads, vocab_head, nodes=nodes, width=width, quantize=quantize)
         self.heads = heads
@@ -70,7 +77,12 @@ class MedusaProposer(HeadsProposer):
 
     @torch.inference_mode()
     def propose_batch(
-        self, states: Sequence[MedusaState], token_ids: Sequence[Sequence[int]], ks: Sequence[int]
+        self,
+        states: Sequence[MedusaState],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        min_logp: float = -math.inf,  # one pass drafts every level: nothing to save
     ) -> list[Draft | DraftTree]:
         out: list[Draft | DraftTree] = [Draft.empty()] * len(states)
         ready = [i for i, s in enumerate(states) if s.last_hidden is not None and ks[i] > 0]
