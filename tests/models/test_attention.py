@@ -18,16 +18,18 @@ H, HKV, D, CAPACITY = 6, 2, 16, 64
 
 
 def _op(q, keys, values, start, window=0, tree=None):
-    return torch.ops.verispec_attention.rowwise_attention(q, keys, values, start, window, tree, D**-0.5)
+    scale = q.shape[-1] ** -0.5
+    return torch.ops.verispec_attention.rowwise_attention(q, keys, values, start, window, tree, scale)
 
 
 def _reference(q, keys, values, key_lists):
     """float64 softmax attention of query s over the buffer positions key_lists[s]: [n, H, D]."""
+    groups, scale = q.shape[0] // keys.shape[0], q.shape[-1] ** -0.5
     out = []
     for s, idx in enumerate(key_lists):
-        k = keys[:, idx].double().repeat_interleave(H // HKV, 0)  # [H, len, D]
-        v = values[:, idx].double().repeat_interleave(H // HKV, 0)
-        p = (q[:, s : s + 1].double() @ k.transpose(1, 2) * D**-0.5).softmax(-1)
+        k = keys[:, idx].double().repeat_interleave(groups, 0)  # [H, len, D]
+        v = values[:, idx].double().repeat_interleave(groups, 0)
+        p = (q[:, s : s + 1].double() @ k.transpose(1, 2) * scale).softmax(-1)
         out.append((p @ v)[:, 0])
     return torch.stack(out).float()
 
@@ -74,6 +76,22 @@ def test_a_position_gives_the_same_bits_alone_or_beside_others(buffers):
     for s in range(n):
         alone = _op(q[:, s : s + 1].contiguous(), keys, values, start + s)
         assert torch.equal(alone[0], together[s])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(12, 2, 128), (14, 2, 64), (9, 3, 64)])
+def test_real_head_shapes_across_key_blocks(heads, kv_heads, dim):
+    """The Qwen2.5 1.5B / 0.5B and SmolLM2 head shapes (the vector paths' other chunkings), over
+    key counts on both sides of the 16-key blocks of the AVX-512 path, against float64; and each
+    position's bits alone as beside the others."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(kv_heads, 80, dim, generator=gen) for _ in range(2))
+    start, n = 27, 6  # 28..33 keys each: a block and a tail of 12..15, two whole blocks, a tail of 1
+    q = torch.randn(heads, n, dim, generator=gen)
+    together = _op(q, keys, values, start)
+    lists = [list(range(start + s + 1)) for s in range(n)]
+    torch.testing.assert_close(together, _reference(q, keys, values, lists))
+    for s in range(n):
+        assert torch.equal(_op(q[:, s : s + 1].contiguous(), keys, values, start + s)[0], together[s])
 
 
 def test_the_model_scores_as_with_the_python_loop(monkeypatch):
