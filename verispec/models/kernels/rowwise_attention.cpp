@@ -32,7 +32,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -81,10 +80,11 @@ inline __m512 sum16(const __m512* acc) {
 }
 
 // The value sums of G query heads, CP 16-float chunks of D at a time, key by key in key order (the
-// G x CP accumulators stay in registers), each head's divided by its softmax sum at the end.
+// G x CP accumulators stay in registers), each head's divided by its softmax sum at the end. Head g's
+// softmax numerators are e[g * stride + j].
 template <int G, int CP>
 void weigh_values(const float* values, const std::vector<int64_t>& idx, int64_t D, const float* e,
-                  const float* inv, float* out) {
+                  int64_t stride, const float* inv, float* out) {
   const int64_t m = static_cast<int64_t>(idx.size());
   for (int64_t c = 0; c < D; c += 16 * CP) {
     __m512 acc[G][CP];
@@ -95,7 +95,7 @@ void weigh_values(const float* values, const std::vector<int64_t>& idx, int64_t 
       __m512 vc[CP];
       for (int h = 0; h < CP; ++h) vc[h] = _mm512_loadu_ps(v + 16 * h);
       for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(e[g * m + j]);
+        const __m512 w = _mm512_set1_ps(e[g * stride + j]);
         for (int h = 0; h < CP; ++h) acc[g][h] = _mm512_fmadd_ps(w, vc[h], acc[g][h]);
       }
     }
@@ -107,11 +107,11 @@ void weigh_values(const float* values, const std::vector<int64_t>& idx, int64_t 
 
 template <int G>
 void weigh_values_of(const float* values, const std::vector<int64_t>& idx, int64_t D, const float* e,
-                     const float* inv, float* out) {
+                     int64_t stride, const float* inv, float* out) {
   if (D % 32 == 0)
-    weigh_values<G, 2>(values, idx, D, e, inv, out);
+    weigh_values<G, 2>(values, idx, D, e, stride, inv, out);
   else
-    weigh_values<G, 1>(values, idx, D, e, inv, out);
+    weigh_values<G, 1>(values, idx, D, e, stride, inv, out);
 }
 
 // attend() in 16-lane vectors, for D a multiple of 16 (at most 1024) and at most 8 query heads per
@@ -161,18 +161,15 @@ void attend512(const float* q, const float* keys, const float* values, const std
     const __m128 pair = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
     inv[g] = 1.f / _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
   }
-  // The value sums read e[g * m + j]: close up the padding between the heads' rows.
-  for (int64_t g = 1; g < groups; ++g)
-    std::memmove(scores.data() + g * m, scores.data() + g * padded, m * sizeof(float));
   switch (groups) {
-    case 1: weigh_values_of<1>(values, idx, D, scores.data(), inv, out); break;
-    case 2: weigh_values_of<2>(values, idx, D, scores.data(), inv, out); break;
-    case 3: weigh_values_of<3>(values, idx, D, scores.data(), inv, out); break;
-    case 4: weigh_values_of<4>(values, idx, D, scores.data(), inv, out); break;
-    case 5: weigh_values_of<5>(values, idx, D, scores.data(), inv, out); break;
-    case 6: weigh_values_of<6>(values, idx, D, scores.data(), inv, out); break;
-    case 7: weigh_values_of<7>(values, idx, D, scores.data(), inv, out); break;
-    default: weigh_values_of<8>(values, idx, D, scores.data(), inv, out); break;
+    case 1: weigh_values_of<1>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 2: weigh_values_of<2>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 3: weigh_values_of<3>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 4: weigh_values_of<4>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 5: weigh_values_of<5>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 6: weigh_values_of<6>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 7: weigh_values_of<7>(values, idx, D, scores.data(), padded, inv, out); break;
+    default: weigh_values_of<8>(values, idx, D, scores.data(), padded, inv, out); break;
   }
 }
 #endif
