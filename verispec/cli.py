@@ -1,4 +1,4 @@
-"""Command line: ``verispec generate``, ``serve``, ``models``, ``bench`` and ``train`` (heads).
+"""Command line: ``verispec generate``, ``serve``, ``models``, ``bench``, ``train`` (heads) and ``distill``.
 
 User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback.
 """
@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.heads.train import add_train_parser
 
     add_train_parser(sub, DEFAULT_TARGET)  # `verispec train medusa|eagle`
+    from verispec.heads.distill import add_distill_parser
+
+    add_distill_parser(sub, DEFAULT_TARGET)  # `verispec distill`: the target's replies, for training
     return parser
 
 
@@ -222,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from verispec.heads.train import run_train
 
             return run_train(args)
+        if args.command == "distill":
+            from verispec.heads.distill import run_distill
+
+            return run_distill(args)
         if args.command == "plan":
             from verispec.bench.cli import run_plan
 

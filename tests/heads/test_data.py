@@ -178,7 +178,8 @@ def test_a_store_grows_without_recomputing_what_it_holds(tmp_path, tiny_target):
     part = store.arrays(16)
     assert part["starts"].tolist() == [0, 6, 10, 15, 24] and len(part["hidden"]) == 24
     assert store.summary(16) == {
-        "sequences": 4, "tokens": 24, "tokens_by_source": {"sharegpt": 0, "stdlib": 24}, "labelled_tokens": 20
+        "sequences": 4, "tokens": 24, "tokens_by_source": {"sharegpt": 0, "stdlib": 24, "distilled": 0},
+        "labelled_tokens": 20,
     }  # fmt: skip
     (tmp_path / "store.old").mkdir()  # left over after the swap: the next extension clears it
     store.extend(examples_of([5]), Cursor(stdlib=8, tokens={"stdlib": 44}), identify(tiny_target), spec, 64)

@@ -9,6 +9,9 @@ Sources (never the evaluation prompts of ``shared/data``):
   never to write the user's turn).
 - ``stdlib``: Python source of the standard library this interpreter runs
   (``sysconfig.get_paths()["stdlib"]``), as raw text, all labelled: code completion like HumanEval.
+- ``distilled``: the target's own replies (``verispec distill``, :mod:`verispec.heads.distill`), from
+  the JSON-lines file ``DataSpec.distilled`` names, in file order, with the exact token ids the
+  target wrote; chat replies labelled (not the user's turn), raw code completions labelled whole.
 
 :class:`HiddenStore` runs the target once over every sequence and keeps, per token: its id, whether
 it is labelled, the target's hidden state (float16) and the target's argmax next token. Training
@@ -38,7 +41,8 @@ import torch
 from verispec.errors import VerispecError
 from verispec.heads.identity import TargetIdentity
 
-SOURCES: tuple[str, ...] = ("sharegpt", "stdlib")
+SOURCES: tuple[str, ...] = ("sharegpt", "stdlib", "distilled")
+DEFAULT_SOURCES: tuple[str, ...] = ("sharegpt", "stdlib")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -48,7 +52,7 @@ class DataSpec:
 
     max_tokens: int = 200_000
     """Tokens to use: the stream's first sequences covering this many (held-out ones included)."""
-    sources: tuple[str, ...] = SOURCES
+    sources: tuple[str, ...] = DEFAULT_SOURCES
     code_fraction: float = 0.3
     """Share of ``max_tokens`` taken from ``stdlib`` when both sources are used."""
     max_seq_len: int = 1024
@@ -59,11 +63,16 @@ class DataSpec:
     skip_tokens: int = 0
     """The stream's first sequences covering this many tokens are passed over, so that heads
     warm-started (``--init-from``) on them go on learning from text they have not seen."""
+    distilled: str | None = None
+    """The ``distilled`` source's file (absolute path). It is read in order and only ever appended
+    to (``verispec distill`` resumes by appending), so a store extends as the file grows."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.sources if s not in SOURCES]
         if bad or not self.sources:
             raise VerispecError(f"unknown data source {', '.join(bad) or '(none)'}; choose from {SOURCES}")
+        if ("distilled" in self.sources) != (self.distilled is not None):
+            raise VerispecError("the distilled source and --distilled FILE go together: give both or neither")
         if self.max_tokens < 1000:
             raise VerispecError(f"--max-tokens must be >= 1000, got {self.max_tokens}")
         if not 0.0 <= self.code_fraction <= 1.0:
@@ -78,10 +87,11 @@ class DataSpec:
 
     def key(self) -> str:
         """The cache folder's key: everything but ``max_tokens`` (a store grows to cover more);
-        ``skip_tokens`` only where set, so stores built before it existed keep their key."""
+        ``skip_tokens`` and ``distilled`` only where set, so stores built before them keep their key."""
         fields = {k: v for k, v in self.to_dict().items() if k != "max_tokens"}
-        if not self.skip_tokens:
-            del fields["skip_tokens"]
+        for optional in ("skip_tokens", "distilled"):
+            if not fields[optional]:
+                del fields[optional]
         return hashlib.sha256(json.dumps({**fields, "stream": 2}, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -214,6 +224,14 @@ def code_example(tokenizer: Any, text: str, max_len: int, rng: random.Random) ->
     return Example(ids, [True] * len(ids), "stdlib")
 
 
+def distilled_example(record: dict[str, Any], max_len: int) -> Example:
+    """A :mod:`verispec.heads.distill` record as the target's exact tokens: a chat reply labelled
+    after its prompt, a raw completion labelled with its prompt (code, as ``stdlib`` is)."""
+    prompt, completion = list(record["prompt_ids"]), list(record["completion_ids"])
+    labelled = [record["kind"] == "text"] * len(prompt) + [True] * len(completion)
+    return Example((prompt + completion)[:max_len], labelled[:max_len], "distilled")
+
+
 @dataclass
 class Cursor:
     """Where a store's sequences stop in the example stream, so that it can be extended."""
@@ -222,6 +240,8 @@ class Cursor:
     """Conversations of the seeded order consumed (used or skipped)."""
     stdlib: int = 0
     """Files of the seeded order consumed."""
+    distilled: int = 0
+    """Records of the distilled file consumed."""
     tokens: dict[str, int] = field(default_factory=dict)
     """Tokens taken from each source so far: the interleaving keeps ``code_fraction`` over the whole
     stream, however it was extended."""
@@ -231,9 +251,12 @@ class Cursor:
 
 
 def _source_shares(spec: DataSpec) -> dict[str, float]:
-    if set(spec.sources) == set(SOURCES):
-        return {"sharegpt": 1.0 - spec.code_fraction, "stdlib": spec.code_fraction}
-    return {s: 1.0 for s in spec.sources}
+    """Token shares: ``code_fraction`` splits sharegpt and stdlib; a distilled file takes an equal
+    share beside them (its own chat and code are mixed as it was generated)."""
+    shares = {s: 1.0 for s in spec.sources}
+    if {"sharegpt", "stdlib"} <= set(spec.sources):
+        shares.update(sharegpt=1.0 - spec.code_fraction, stdlib=spec.code_fraction)
+    return shares
 
 
 def _conversation_examples(tokenizer: Any, spec: DataSpec, start: int) -> Iterator[tuple[Example, int]]:
@@ -251,6 +274,16 @@ def _code_examples(tokenizer: Any, spec: DataSpec, start: int) -> Iterator[tuple
             continue
         example = code_example(tokenizer, text, spec.max_seq_len, random.Random(f"{spec.seed}:{name}"))
         if len(example.ids) >= 8:
+            yield example, i + 1
+
+
+def _distilled_examples(spec: DataSpec, start: int) -> Iterator[tuple[Example, int]]:
+    from verispec.heads.distill import check_file
+
+    records = check_file(Path(str(spec.distilled)))
+    for i in range(start, len(records)):
+        example = distilled_example(records[i], spec.max_seq_len)
+        if len(example.ids) >= 8 and any(example.labelled):
             yield example, i + 1
 
 
@@ -273,6 +306,7 @@ def build_examples(
     streams = {
         "sharegpt": lambda: _conversation_examples(tokenizer, spec, cursor.sharegpt),
         "stdlib": lambda: _code_examples(tokenizer, spec, cursor.stdlib),
+        "distilled": lambda: _distilled_examples(spec, cursor.distilled),
     }
     live = {s: streams[s]() for s in shares}
     examples: list[Example] = []

