@@ -145,6 +145,22 @@ def test_a_store_of_distilled_records_grows_with_the_file(tmp_path, tiny_target,
     assert np.asarray(grown.array("tokens"))[1000:1040].tolist() == [(3 * 25 + t) % 90 + 1 for t in range(40)]
 
 
+def test_replies_of_another_model_are_refused_before_any_work(tmp_path, tiny_target, monkeypatch):
+    monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
+    identity = identify(tiny_target)
+    spec = DataSpec(max_tokens=1000, sources=("distilled",), distilled=str(tmp_path / "d.jsonl"))
+    record = {"id": "a", "kind": "chat", "prompt_ids": [1, 2], "completion_ids": [3, 4] * 10}
+    other = {"target": "big", "target_config_sha256": "0" * 64}
+    for bad in (other, {"prompt_ids": [1, identity.vocab_size]}):
+        (tmp_path / "d.jsonl").write_text(json.dumps({**record, **bad}) + "\n")
+        with pytest.raises(VerispecError, match="not of tiny-target"):
+            prepare_store(tiny_target, identity, spec, tmp_path / "s", progress=False)
+        assert not (tmp_path / "s").exists()
+    mine = {"target": "tiny-target", "target_config_sha256": identity.config_sha256}
+    (tmp_path / "d.jsonl").write_text(json.dumps({**record, **mine}) + "\n")
+    assert prepare_store(tiny_target, identity, spec, tmp_path / "s", progress=False).tokens == 22
+
+
 @needs_smollm2
 def test_distill_writes_the_targets_greedy_replies_and_resumes(tmp_path, capsys, restore_torch_threads):
     """On a real model: the records hold exactly what plain greedy decoding writes (the command
@@ -157,6 +173,7 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(tmp_path, capsys,
     assert main(args) == 0
     records = read_records(out)
     assert [r["kind"] for r in records] == ["chat", "text", "chat", "text"]
+    assert {r["target"] for r in records} == {"smollm2-135m-instruct"}
     plain = verispec.load("smollm2-135m-instruct", threads=2)
     for r in records:
         gen = plain.generate(r["prompt_ids"], max_new_tokens=24)

@@ -561,6 +561,10 @@ def prepare_store(
             f"{cache_dir} holds hidden states of the {held} target, not of the {quantization} one; "
             "pass another --cache-dir or load the target as the cache was made"
         )
+    if spec.distilled is not None:
+        from verispec.heads.distill import check_file
+
+        check_file(Path(spec.distilled), identity)  # before any work: another model's replies are refused
     if store.tokens < spec.max_tokens:
         if target.tokenizer is None:
             raise VerispecError(f"{target.name} has no tokenizer; heads need text data")

@@ -30,6 +30,7 @@ from typing import Any
 
 from verispec.errors import VerispecError
 from verispec.heads.data import iter_sharegpt, sharegpt_file
+from verispec.heads.identity import TargetIdentity, identify
 
 KINDS = ("chat", "text")
 
@@ -127,6 +128,7 @@ def distill(
     many were written now (prompts already in the file are skipped)."""
     from tqdm import tqdm
 
+    made_by = {"target": engine.target.name, "target_config_sha256": identify(engine.target).config_sha256}
     done = {r["id"] for r in read_records(out)}
     todo = [p for p in prompts if p.id not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +147,7 @@ def distill(
                     "completion_ids": completion,
                     "completion": gen.text,
                     "finish_reason": gen.finish_reason,
+                    **made_by,
                 }
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 written += 1
@@ -159,11 +162,20 @@ def _prompt_ids(engine: Any, prompt: DistillPrompt) -> list[int]:
     return engine.encode(prompt.text)
 
 
-def check_file(path: Path) -> list[dict[str, Any]]:
-    """The records of ``path``, or a clear error where there are none."""
+def check_file(path: Path, identity: TargetIdentity | None = None) -> list[dict[str, Any]]:
+    """The records of ``path``, or a clear error where there are none or (with ``identity``) where
+    another model wrote them: its token ids would mean other tokens, or none, to this target."""
     records = read_records(path)
     if not records:
         raise VerispecError(f"{path} holds no distillation records; make it with `verispec distill`")
+    if identity is not None:
+        for r in records:
+            other = r.get("target_config_sha256") not in (None, identity.config_sha256)
+            if other or max(r["prompt_ids"] + r["completion_ids"]) >= identity.vocab_size:
+                raise VerispecError(
+                    f"{path} holds replies of {r.get('target', 'another model')}, not of {identity.name}; "
+                    f"make them with `verispec distill --target {identity.name}`"
+                )
     return records
 
 
