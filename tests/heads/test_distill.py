@@ -186,5 +186,7 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(tmp_path, capsys,
     # More prompts later: only the new ones are answered.
     engine = verispec.load("smollm2-135m-instruct", method="ngram", threads=2)
     extra = [DistillPrompt("extra:0", "text", text="def add(a, b):\n    ")]
+    with out.open("a") as f:
+        f.write('{"id": "cut off')  # an interrupted write
     assert distill(engine, extra, out, max_new_tokens=8, progress=False) == 1
-    assert len(read_records(out)) == 5
+    assert len(read_records(out)) == 5 and read_records(out)[-1]["id"] == "extra:0"

@@ -132,6 +132,9 @@ def distill(
     done = {r["id"] for r in read_records(out)}
     todo = [p for p in prompts if p.id not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_file() and out.stat().st_size and not out.read_bytes().endswith(b"\n"):
+        with out.open("a", encoding="utf-8") as f:
+            f.write("\n")  # end a line an interruption cut off, so the next record starts its own
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", disable=not progress)
     written = 0
     for a in range(0, len(todo), chunk):
@@ -199,7 +202,7 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
         "--method", default="ngram", choices=["ngram", "none"],
         help="speculation while answering (greedy output is the same; ngram is only faster)",
     )  # fmt: skip
-    p.add_argument("--max-batch-size", type=int, default=16, help="prompts decoding together")
+    p.add_argument("--max-batch-size", type=int, default=24, help="prompts decoding together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_load_flags(p)
@@ -222,7 +225,14 @@ def run_distill(args: Any) -> int:
         quantization=args.quantization,
         max_batch_size=args.max_batch_size,
     )
-    written = distill(engine, prompts, args.out, max_new_tokens=args.max_new_tokens, progress=not args.quiet)
+    written = distill(
+        engine,
+        prompts,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        chunk=4 * args.max_batch_size,  # few short batches at each chunk's end (20 vs 12 prompts/min)
+        progress=not args.quiet,
+    )
     records = read_records(args.out)
     tokens = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in records)
     print(f"{args.out}: {written} replies written now, {len(records)} records, {tokens} tokens in all")
