@@ -162,11 +162,18 @@ def test_replies_of_another_model_are_refused_before_any_work(tmp_path, tiny_tar
 
 
 @needs_smollm2
-def test_distill_writes_the_targets_greedy_replies_and_resumes(tmp_path, capsys, restore_torch_threads):
+def test_distill_writes_the_targets_greedy_replies_and_resumes(
+    tmp_path, capsys, restore_torch_threads, monkeypatch
+):
     """On a real model: the records hold exactly what plain greedy decoding writes (the command
     speculates with prompt lookup, which must not change a token), and a rerun adds nothing."""
     import verispec
 
+    questions = ["Write a haiku about the sea, please.", "What is a Python list comprehension?"]
+    turns = [[{"from": "human", "value": q}, {"from": "gpt", "value": "a"}] for q in questions]
+    share = [{"conversations": t} for t in turns]
+    (tmp_path / "share.json").write_text(json.dumps(share))  # CI has no ShareGPT package (training data)
+    monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: tmp_path / "share.json")
     out = tmp_path / "d.jsonl"
     args = ["distill", "--target", "smollm2-135m-instruct", "--out", str(out), "--chat", "2", "--code", "2",
             "--max-new-tokens", "24", "--quiet", "--threads", "2"]  # fmt: skip
