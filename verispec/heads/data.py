@@ -158,14 +158,12 @@ def _messages(record: Any) -> list[dict[str, str]] | None:
     return out
 
 
-def iter_stdlib_files(seed: int) -> Iterator[tuple[str, str]]:
-    """(module path, source) of the standard library's ``.py`` files, in a seeded order."""
+def iter_stdlib_files(seed: int | str, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, str]]:
+    """(module path, source) of the standard library's ``.py`` files, in a seeded order; tests,
+    site-packages and folders named in ``skip`` left out."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-    )
+    excluded = {"site-packages", "test", "tests"} | skip
+    files = sorted(p for p in root.rglob("*.py") if not excluded & set(p.parts))
     random.Random(seed).shuffle(files)
     for path in files:
         try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import json
 import random
-import sysconfig
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec.errors import VerispecError
-from verispec.heads.data import iter_sharegpt, sharegpt_file
+from verispec.heads.data import iter_sharegpt, iter_stdlib_files, sharegpt_file
 from verispec.heads.identity import TargetIdentity, identify
 
 KINDS = ("chat", "text")
@@ -81,20 +80,11 @@ def function_prompts(source: str) -> Iterator[tuple[str, str]]:
 
 def stdlib_prompts(limit: int, seed: int = 0, per_file: int = 2) -> list[DistillPrompt]:
     """Function prompts from the standard library's source (tests excluded), files in a seeded order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not {"site-packages", "test", "tests", "idlelib"} & set(p.parts)
-    )
-    random.Random(f"distill:{seed}").shuffle(files)
     out: list[DistillPrompt] = []
-    for path in files:
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue
+    for module, source in iter_stdlib_files(f"distill:{seed}", skip=frozenset({"idlelib"})):
         for name, prompt in list(function_prompts(source))[:per_file]:
             if len(prompt) <= 3000:
-                out.append(DistillPrompt(f"stdlib:{path.relative_to(root)}:{name}", "text", text=prompt))
+                out.append(DistillPrompt(f"stdlib:{module}:{name}", "text", text=prompt))
         if len(out) >= limit:
             break
     return out[:limit]
@@ -132,9 +122,11 @@ def distill(
     done = {r["id"] for r in read_records(out)}
     todo = [p for p in prompts if p.id not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.is_file() and out.stat().st_size and not out.read_bytes().endswith(b"\n"):
-        with out.open("a", encoding="utf-8") as f:
-            f.write("\n")  # end a line an interruption cut off, so the next record starts its own
+    if out.is_file() and out.stat().st_size:
+        with out.open("rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")  # end a line an interruption cut off, so the next record starts its own
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", disable=not progress)
     written = 0
     for a in range(0, len(todo), chunk):
