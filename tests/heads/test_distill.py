@@ -74,6 +74,25 @@ def test_stdlib_prompts_are_seeded_completion_prompts():
         assert "/test/" not in p.id and "/tests/" not in p.id
 
 
+def test_stdlib_prompts_take_up_to_per_file_functions_from_each_file():
+    """More functions per file give more prompts; the files keep their seeded order."""
+    few, many = stdlib_prompts(60, per_file=1), stdlib_prompts(60, per_file=4)
+    modules = [p.id.rsplit(":", 1)[0] for p in many]
+    assert len({p.id.rsplit(":", 1)[0] for p in few}) == 60
+    assert max(modules.count(m) for m in modules) == 4 and len(set(modules)) < 60
+    assert [p.id for p in stdlib_prompts(60, per_file=2)][:2] == [p.id for p in many][:2]
+
+
+def test_distill_command_refuses_bad_counts_before_loading(capsys, tmp_path):
+    from verispec.cli import main
+
+    out = tmp_path / "d.jsonl"
+    assert main(["distill", "--out", str(out), "--code-per-file", "0"]) == 2
+    assert "--code-per-file must be >= 1" in capsys.readouterr().err
+    assert main(["distill", "--out", str(out), "--chat", "0", "--code", "0"]) == 2
+    assert "not both 0" in capsys.readouterr().err and not out.exists()
+
+
 def test_sharegpt_prompts_come_from_the_end_of_the_training_order(tmp_path, monkeypatch):
     """Training consumes the seeded order from its start; distillation takes first turns from its end,
     so the two meet only if both use nearly everything."""

@@ -189,6 +189,10 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--out", type=Path, required=True, help="JSON-lines file to append to")
     p.add_argument("--chat", type=int, default=600, help="ShareGPT prompts to answer")
     p.add_argument("--code", type=int, default=400, help="standard-library function prompts to complete")
+    p.add_argument(
+        "--code-per-file", type=int, default=2,
+        help="functions taken from each standard-library file (2 gives ~450 prompts in all, 4 ~1000)",
+    )  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument(
         "--method", default="ngram", choices=["ngram", "none"],
@@ -205,8 +209,10 @@ def run_distill(args: Any) -> int:
 
     if args.chat < 0 or args.code < 0 or args.chat + args.code == 0:
         raise VerispecError("--chat and --code must be >= 0 and not both 0")
+    if args.code_per_file < 1:
+        raise VerispecError(f"--code-per-file must be >= 1, got {args.code_per_file}")
     chat = sharegpt_prompts(args.chat, args.seed) if args.chat else []
-    code = stdlib_prompts(args.code, args.seed) if args.code else []
+    code = stdlib_prompts(args.code, args.seed, args.code_per_file) if args.code else []
     prompts = [p for pair in zip_longest(chat, code) for p in pair if p is not None]  # both kinds early
     engine = verispec.load(
         args.target,
