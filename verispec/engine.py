@@ -291,6 +291,7 @@ class SpecEngine:
                     rows,
                     logits_to_keep=[0] * len(seqs),
                     hidden_to_keep=[len(r) for r in rows] if self._needs_hidden else None,
+                    feature_layers=self._feature_layers,
                 )
                 if out.hidden is not None and self.proposer is not None:
                     for seq, hidden in zip(seqs, out.hidden, strict=True):
@@ -358,6 +359,7 @@ class SpecEngine:
             rows,
             logits_to_keep=[_nodes(d) + 1 for d in drafts],
             return_hidden=self._needs_hidden,
+            feature_layers=self._feature_layers,
             positions=positions if trees else None,
             tree_masks=masks if trees else None,
         )
@@ -404,6 +406,10 @@ class SpecEngine:
     @property
     def _needs_hidden(self) -> bool:
         return self.proposer is not None and self.proposer.needs_hidden
+
+    @property
+    def _feature_layers(self) -> tuple[int, ...]:
+        return self.proposer.feature_layers if self._needs_hidden and self.proposer is not None else ()
 
     def _depths(self, seqs: list[SeqState]) -> list[int]:
         caps = [_speculation_cap(s) for s in seqs]

@@ -274,3 +274,39 @@ def test_a_cache_of_the_same_model_quantized_otherwise_is_refused(tmp_path, tiny
         prepare_store(tiny_target, identify(tiny_target), spec, int8.folder, progress=False)
     int4 = prepare_store(tiny_target, identify(tiny_target), spec, progress=False)
     assert int4.folder != int8.folder and int4.meta["quantization"] == "int4"
+
+
+def test_a_store_with_feature_layers_keeps_their_taps_and_grows_with_them(tmp_path, tiny_target, monkeypatch):
+    """--feature-layers: the store keeps each token's normed inputs of those layers beside its last
+    state (what the target computes, unchanged), in a cache of its own; another layer list on the
+    same folder is refused, and so are layers the target does not have."""
+    monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
+    plain = DataSpec(max_tokens=1000, sources=("stdlib",), max_seq_len=128)
+    spec = DataSpec(**{**plain.to_dict(), "feature_layers": [1]})
+    assert spec.feature_layers == (1,) and spec.key() != plain.key()
+    assert DataSpec(**{**plain.to_dict(), "feature_layers": ()}).key() == plain.key()
+    store = prepare_store(tiny_target, identify(tiny_target), spec, tmp_path / "t", progress=False)
+    assert store.complete and store.feature_layers == (1,)
+    arrays = store.arrays()
+    assert arrays["taps"].shape == (store.tokens, 64) and arrays["hidden"].shape == (store.tokens, 64)
+    a, b = int(arrays["starts"][2]), int(arrays["starts"][3])
+    rows, top = target_states(tiny_target, np.asarray(arrays["tokens"][a:b]).tolist(), (1,))
+    got = np.concatenate([arrays["hidden"][a:b], arrays["taps"][a:b]], axis=1)
+    torch.testing.assert_close(torch.from_numpy(got.astype(np.float32)), rows, atol=1e-2, rtol=1e-2)
+    assert arrays["argmax"][a:b].tolist() == top.tolist()
+    bigger = DataSpec(**{**spec.to_dict(), "max_tokens": 1500})
+    grown = prepare_store(tiny_target, identify(tiny_target), bigger, tmp_path / "t", progress=False)
+    assert grown.tokens >= 1500 and grown.array("taps").shape == (grown.tokens, 64)
+    assert np.array_equal(grown.array("taps")[:a], arrays["taps"][:a])  # kept, not recomputed
+    with pytest.raises(VerispecError, match="not of \\[0\\]"):
+        prepare_store(
+            tiny_target, identify(tiny_target), DataSpec(**{**spec.to_dict(), "feature_layers": [0]}),
+            tmp_path / "t", progress=False,
+        )  # fmt: skip
+    with pytest.raises(VerispecError, match="feature layers \\[5\\] do not exist"):
+        prepare_store(
+            tiny_target, identify(tiny_target), DataSpec(**{**spec.to_dict(), "feature_layers": [5]}),
+            tmp_path / "u", progress=False,
+        )  # fmt: skip
+    with pytest.raises(VerispecError, match="distinct"):
+        DataSpec(feature_layers=(1, 1))

@@ -51,6 +51,19 @@ def test_eagle_round_trip_without_a_draft_vocabulary(tmp_path, tiny_target):
     assert set(loaded.module.state_dict()) == set(drafter.state_dict())
 
 
+def test_eagle_feature_layers_round_trip(tmp_path, tiny_target):
+    torch.manual_seed(2)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target, 32, feature_layers=(1,))).eval()
+    with torch.no_grad():
+        drafter.tap_fc.weight.normal_(0, 0.1)
+    save_heads(tmp_path, "eagle", drafter, identify(tiny_target), None)
+    assert json.loads((tmp_path / "config.json").read_text())["eagle"]["feature_layers"] == [1]
+    loaded = load_heads(tmp_path, tiny_target)
+    assert loaded.module.config == drafter.config and loaded.module.config.feature_layers == (1,)
+    rows = torch.randn(4, 128)
+    torch.testing.assert_close(loaded.module.fuse(rows), drafter.fuse(rows), rtol=1e-2, atol=1e-2)
+
+
 def test_heads_for_another_target_are_refused(tmp_path, tiny_target):
     save_heads(tmp_path, "medusa", random_medusa(), identify(tiny_target), None)
     same_shape_other_weights = HFCausalLM(tiny_llama(7), name="other")

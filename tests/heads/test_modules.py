@@ -53,6 +53,32 @@ def test_eagle_identity_start_passes_the_feature_through(tiny_target):
     torch.testing.assert_close(out, feat / rms, rtol=1e-4, atol=1e-4)
 
 
+def test_eagle_feature_layers_start_as_the_last_state_alone(tiny_target):
+    """EAGLE-3's taps: a drafter fusing lower layers starts exactly where one without them is (its
+    projection is zero), so heads trained without taps are a warm start; trained, the taps count.
+    Rows of the wrong width (heads for other layers) are refused."""
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target, feature_layers=[1, 0])).eval()
+    assert drafter.config.feature_layers == (1, 0)
+    assert drafter.tap_fc.weight.shape == (64, 128) and not drafter.tap_fc.weight.any()
+    rows = torch.randn(5, 3 * 64) * torch.linspace(0.1, 40.0, 3 * 64)  # layers of different scales
+    assert torch.equal(drafter.fuse(rows), rows[:, :64])
+    with torch.no_grad():
+        drafter.tap_fc.weight.normal_(0, 0.02)
+    fused = drafter.fuse(rows)
+    assert fused.shape == (5, 64) and not torch.allclose(fused, rows[:, :64])
+    # each tap is RMS-normed first: scaling a layer's state leaves the fused feature as it was
+    scaled = rows.clone()
+    scaled[:, 64:128] *= 1000.0
+    torch.testing.assert_close(drafter.fuse(scaled), fused, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="2 feature layers"):
+        drafter.fuse(rows[:, :64])
+    plain = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    assert torch.equal(plain.fuse(rows[:, :64]), rows[:, :64]) and not hasattr(plain, "tap_fc")
+    with pytest.raises(ValueError, match="0 feature layers"):
+        plain.fuse(rows)
+
+
 def test_eagle_drafter_incremental_equals_one_pass(tiny_target):
     """Feeding pairs in two chunks through the cache gives the same outputs as one causal pass."""
     torch.manual_seed(0)

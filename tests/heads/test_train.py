@@ -190,3 +190,26 @@ def test_settings_are_validated():
         TrainSettings(kind="eagle", precision="fp8")
     assert TrainSettings(kind="eagle").tree == {"nodes": 16, "width": 4}
     assert default_precision() in PRECISIONS
+
+
+def test_eagle_with_feature_layers_trains_and_warm_starts_from_heads_without_them(tmp_path, tiny_target):
+    """On data with taps (the normed input of layer 1) the drafter fuses them and learns; heads
+    trained without taps are a warm start that keeps their accuracy (the taps' projection starts
+    at zero); data without the drafter's taps is refused with a clear error."""
+    plain, vocab_ids, plain_report = trained(tiny_target, "eagle")
+    drafter, _, report = trained(tiny_target, "eagle", layers=(1,))
+    assert drafter.config.feature_layers == (1,) and drafter.tap_fc.weight.abs().sum() > 0
+    assert report["heldout_accuracy"][0]["top1"] > 0.5, report["heldout_accuracy"]
+    save_heads(tmp_path / "eagle", "eagle", plain, identify(tiny_target), vocab_ids)
+    data = tiny_data(tiny_target, layers=(1,))
+    still = dict(kind="eagle", unroll=2, draft_vocab=0, epochs=1, batch_tokens=256, lr=1e-12)
+    warm, _, kept = train_heads(
+        tiny_target, data, TrainSettings(**still, init_from=str(tmp_path / "eagle")), progress=False
+    )
+    assert warm.config.feature_layers == (1,)
+    first = [row["top1"] for row in plain_report["heldout_accuracy"]]
+    assert [row["top1"] for row in kept["heldout_accuracy"]] == pytest.approx(first, abs=0.01)
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    embeddings = tiny_target.model.get_input_embeddings().weight.detach()
+    with pytest.raises(VerispecError, match="train with --feature-layers"):
+        evaluate_eagle(drafter, vocab, tiny_data(tiny_target), embeddings, width=4, depths=2)

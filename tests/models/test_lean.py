@@ -21,6 +21,7 @@ from transformers import (
 from tests.conftest import tiny_llama
 from tests.models.failed_build import fail_build
 from tests.models.test_fused import needs_int4
+from verispec.errors import VerispecError
 from verispec.models import lean, native
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import quantize_model
@@ -153,3 +154,37 @@ def test_other_decoders_keep_transformers_forward():
     gelu = Qwen2ForCausalLM(Qwen2Config(**{**SMALL, "num_hidden_layers": 1}, hidden_act="gelu"))
     assert not lean.supports(gelu.model)  # the MLP's activation is not the one lean computes
     assert lean.supports(MODELS["qwen2"].model)
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch-ops", "native-ops"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_feature_layers_are_the_normed_inputs_of_those_layers(family, use_native, monkeypatch):
+    """EAGLE-3's taps: each hidden row gains the normed input of every asked-for layer, the same
+    values transformers' forward feeds that layer's attention (caught there by a hook); the logits
+    and the last state do not change."""
+    monkeypatch.setattr(lean, "use_native", use_native)
+    fast, slow = _pair(family, "none")
+    prompts = [[(5 * i + 3) % 96 for i in range(13)], [(11 * i + 1) % 96 for i in range(6)]]
+    outs = {}
+    for lm in (fast, slow):
+        for layers in ((), (1, 0)):
+            caches = [lm.new_cache(), lm.new_cache()]
+            outs[lm.name, layers] = lm.forward_batch(
+                caches, prompts, logits_to_keep=[3, 2], return_hidden=True, feature_layers=layers
+            )
+    tol = 1e-5 if use_native else 0.0
+    for name in ("lean", "transformers"):
+        plain, tapped = outs[name, ()], outs[name, (1, 0)]
+        for row in range(2):
+            assert tapped.hidden[row].shape == (plain.hidden[row].shape[0], 3 * 64)
+            assert torch.equal(tapped.hidden[row][:, :64], plain.hidden[row])
+            assert torch.equal(tapped.logits[row], plain.logits[row])
+            torch.testing.assert_close(
+                tapped.hidden[row], outs["transformers", (1, 0)].hidden[row], rtol=tol, atol=tol
+            )
+    # layer 0's input norm reads the embeddings: check one tap against it directly
+    embeds = slow.decoder.embed_tokens(torch.tensor(prompts[1][-2:]))
+    want = slow.decoder.layers[0].input_layernorm(embeds)
+    torch.testing.assert_close(outs["lean", (1, 0)].hidden[1][:, 128:], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(VerispecError, match=r"decoder layers 0\.\.1"):
+        fast.forward_batch([fast.new_cache()], [[1, 2]], logits_to_keep=[1], feature_layers=(2,))

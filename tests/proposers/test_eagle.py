@@ -57,6 +57,38 @@ def test_greedy_eagle_equals_plain_and_accepts_drafts(tiny_target):
     assert_greedy_equals_plain_with_deep_trees(eagle_engine(tiny_target, drafter))
 
 
+def test_eagle_with_feature_layers_drafts_from_the_fused_taps(tiny_target):
+    """EAGLE-3's taps end to end: the engine asks the target for the drafter's layers in prefill and
+    verify, greedy output equals plain with accepted trees, and the drafter's cache holds exactly
+    the pairs of fused true features (the target's rows recomputed with their taps)."""
+    drafter, _, _ = trained(tiny_target, "eagle", layers=(1,))
+    engine = eagle_engine(tiny_target, drafter)
+    assert engine.proposer.feature_layers == (1,)
+    assert_greedy_equals_plain_with_deep_trees(engine)
+    engine.add(engine.make_request(PROMPTS[1], max_new_tokens=30))
+    for _ in range(5):
+        engine.step()
+    seq = engine.running[0]
+    state, ids = seq.proposer_state, seq.token_ids
+    rows = tiny_target.forward_batch(
+        [tiny_target.new_cache()], [ids[:-1]], logits_to_keep=[0], hidden_to_keep=[len(ids) - 1],
+        feature_layers=(1,),
+    ).hidden[0]  # fmt: skip
+    n = state.fed
+    embeds = tiny_target.model.get_input_embeddings()(torch.tensor(ids[1 : n + 1]))[None]
+    with torch.no_grad():
+        features = drafter.fuse(rows[:n])[None]
+        _, keys, _ = drafter(embeds, features, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+    torch.testing.assert_close(state.cache.keys, keys[0], rtol=1e-4, atol=1e-4)
+
+
+def test_heads_fusing_layers_the_target_lacks_are_refused(tmp_path, tiny_target):
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target, feature_layers=(5,)))
+    save_heads(tmp_path / "eagle", "eagle", drafter, identify(tiny_target), None)
+    with pytest.raises(VerispecError, match="feature layers \\[5\\] do not exist"):
+        build_proposer(SpecConfig(method="eagle", heads=str(tmp_path)), tiny_target, None)
+
+
 def test_greedy_eagle_on_the_int8_path_equals_plain():
     assert_lossless_on_the_int8_path(EagleProposer, lambda p: p.drafter.fc, k=4, nodes=10)
 

@@ -105,6 +105,16 @@ def test_greedy_equals_plain_and_lookup_adds_accepted_tokens(tiny_target):
     assert proposer.prior.counts.hits[0] > 0 and proposer.prior.counts.tries[0] > 0
 
 
+def test_a_hybrid_asks_for_its_drafter_s_feature_layers(tiny_target):
+    drafter, _, _ = trained(tiny_target, "eagle", layers=(1,))
+    engine = hybrid_engine(tiny_target, drafter)
+    assert engine.proposer.feature_layers == (1,)
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    got = engine.generate(prompt, max_new_tokens=20)
+    assert got.token_ids == plain_outputs(tiny_target, [prompt], 20)[0]
+    assert got.stats.accepted_at[0] > 0
+
+
 def test_the_lookup_record_counts_matches_against_what_was_committed(tiny_target):
     """Chain [a, b, c] and a step that committed [a, b, x]: positions 1-2 matched, 3 did not; a
     chain longer than the step's commit is judged only as far as the commit goes."""

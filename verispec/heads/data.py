@@ -66,6 +66,9 @@ class DataSpec:
     distilled: str | None = None
     """The ``distilled`` source's file (absolute path). It is read in order and only ever appended
     to (``verispec distill`` resumes by appending), so a store extends as the file grows."""
+    feature_layers: tuple[int, ...] = ()
+    """Decoder layers whose normed inputs the store keeps too (``taps``, for EAGLE-3's multi-layer
+    features): not the text, but what is cached of it, so it names the cache like the text does."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.sources if s not in SOURCES]
@@ -81,15 +84,21 @@ class DataSpec:
             raise VerispecError("max_seq_len must be >= 16 and heldout_every >= 2")
         if self.skip_tokens < 0:
             raise VerispecError(f"--skip-tokens must be >= 0, got {self.skip_tokens}")
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+        if len(set(self.feature_layers)) != len(self.feature_layers) or any(
+            i < 0 for i in self.feature_layers
+        ):
+            raise VerispecError(f"--feature-layers must be distinct layer indices, got {self.feature_layers}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def key(self) -> str:
         """The cache folder's key: everything but ``max_tokens`` (a store grows to cover more);
-        ``skip_tokens`` and ``distilled`` only where set, so stores built before them keep their key."""
+        ``skip_tokens``, ``distilled`` and ``feature_layers`` only where set, so stores built before
+        them keep their key."""
         fields = {k: v for k, v in self.to_dict().items() if k != "max_tokens"}
-        for optional in ("skip_tokens", "distilled"):
+        for optional in ("skip_tokens", "distilled", "feature_layers"):
             if not fields[optional]:
                 del fields[optional]
         return hashlib.sha256(json.dumps({**fields, "stream": 2}, sort_keys=True).encode()).hexdigest()[:12]
@@ -334,7 +343,8 @@ class HiddenStore:
     """Per-token arrays over all sequences laid end to end (memory-mapped ``.npy`` files):
 
     ``tokens`` int32 [T], ``labelled`` bool [T], ``hidden`` float16 [T, H] (the target's last hidden
-    state after each token), ``argmax`` int32 [T] (the target's greedy next token after each token),
+    state after each token), with ``DataSpec.feature_layers`` ``taps`` float16 [T, F * H] (those
+    layers' normed inputs), ``argmax`` int32 [T] (the target's greedy next token after each token),
     ``starts`` int64 [S + 1] (sequence boundaries), ``heldout`` bool [S], ``source`` uint8 [S] (index
     into :data:`SOURCES`).
 
@@ -412,8 +422,10 @@ class HiddenStore:
             np.save(grown / f"{name}.npy", np.concatenate([old, new[name]]))
         np.save(grown / "starts.npy", starts)
         np.save(grown / "heldout.npy", new["heldout"])
+        taps = len(spec.feature_layers)
         for name, shape, dtype in (
             ("hidden", (total, hidden_size), np.float16),
+            *((("taps", (total, taps * hidden_size), np.float16),) if taps else ()),
             ("argmax", (total,), np.int32),
         ):
             out = np.lib.format.open_memmap(grown / f"{name}.npy", mode="w+", dtype=dtype, shape=shape)
@@ -464,8 +476,13 @@ class HiddenStore:
         count = len(self.array("starts")) - 1 if max_tokens is None else self.sequences_for(max_tokens)
         starts = self.array("starts")[: count + 1]
         end = int(starts[-1])
-        out = {name: self.array(name)[:end] for name in ("tokens", "labelled", "hidden", "argmax")}
+        names = ("tokens", "labelled", "hidden", "argmax") + (("taps",) if self.feature_layers else ())
+        out = {name: self.array(name)[:end] for name in names}
         return {**out, "starts": starts, "heldout": self.array("heldout")[:count]}
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.meta.get("data", {}).get("feature_layers", ()))
 
     def summary(self, max_tokens: int | None = None) -> dict[str, Any]:
         """Sequence and token counts of the data :meth:`arrays` returns for ``max_tokens``."""
@@ -492,6 +509,8 @@ class HiddenStore:
         starts = self.array("starts")
         tokens = self.array("tokens")
         hidden = self.array("hidden", "r+")
+        layers = self.feature_layers
+        taps = self.array("taps", "r+") if layers else None
         argmax = self.array("argmax", "r+")
         done = int(self.meta["done"])
         bar = tqdm(
@@ -504,13 +523,17 @@ class HiddenStore:
         cpu_seconds = float(self.meta.get("cpu_seconds", 0.0))
         for s in range(done, len(starts) - 1):
             a, b = int(starts[s]), int(starts[s + 1])
-            h, top = target_states(target, tokens[a:b].tolist())
-            hidden[a:b] = h.numpy().astype(np.float16)
+            h, top = target_states(target, tokens[a:b].tolist(), layers)
+            hidden[a:b] = h[:, : hidden.shape[1]].numpy().astype(np.float16)
+            if taps is not None:
+                taps[a:b] = h[:, hidden.shape[1] :].numpy().astype(np.float16)
             argmax[a:b] = top.numpy()
             bar.update(b - a)
             now = time.perf_counter()
             if now - last_save > save_every_s or s == len(starts) - 2:
                 hidden.flush()
+                if taps is not None:
+                    taps.flush()
                 argmax.flush()
                 self.meta["done"] = s + 1
                 self.meta["seconds"] = seconds + now - began
@@ -523,12 +546,19 @@ class HiddenStore:
 
 
 @torch.inference_mode()
-def target_states(target: Any, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's hidden state after each token of ``ids`` ``[n, H]`` and its argmax next token
-    ``[n]``, with the engine's own forward (so, int8 on the fast path: what drafting will see)."""
-    out = target.forward_batch([target.new_cache()], [ids], logits_to_keep=[0], hidden_to_keep=[len(ids)])
+def target_states(
+    target: Any, ids: list[int], feature_layers: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's hidden state after each token of ``ids`` ``[n, H]`` (``[n, (1 + F) H]`` with
+    ``feature_layers``) and its argmax next token ``[n]``, with the engine's own forward (so, int8 on
+    the fast path: what drafting will see)."""
+    extra = {"feature_layers": feature_layers} if feature_layers else {}
+    out = target.forward_batch(
+        [target.new_cache()], [ids], logits_to_keep=[0], hidden_to_keep=[len(ids)], **extra
+    )
     hidden = out.hidden[0].float()
-    top = torch.cat([target.lm_head(chunk).argmax(dim=-1) for chunk in hidden.split(256)])
+    last = hidden[:, : target.hidden_size]
+    top = torch.cat([target.lm_head(chunk).argmax(dim=-1) for chunk in last.split(256)])
     return hidden, top.int()
 
 
@@ -559,6 +589,13 @@ def prepare_store(
             f"{cache_dir} holds hidden states of the {held} target, not of the {quantization} one; "
             "pass another --cache-dir or load the target as the cache was made"
         )
+    if store.meta and store.feature_layers != spec.feature_layers:
+        raise VerispecError(
+            f"{cache_dir} keeps the normed inputs of layers {list(store.feature_layers)}, not of "
+            f"{list(spec.feature_layers)}; pass another --cache-dir"
+        )
+    if spec.feature_layers and hasattr(target, "check_feature_layers"):
+        target.check_feature_layers(spec.feature_layers)
     if spec.distilled is not None:
         from verispec.heads.distill import check_file
 

@@ -48,12 +48,20 @@ class EagleConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    feature_layers: tuple[int, ...] = ()
+    """Target decoder layers whose normed inputs are fused into the feature (EAGLE-3): empty for
+    the last layer's state alone."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def for_target(cls, target: Any, intermediate_size: int | None = None) -> EagleConfig:
+    def for_target(
+        cls, target: Any, intermediate_size: int | None = None, feature_layers: Sequence[int] = ()
+    ) -> EagleConfig:
         """The target's own layer sizes (``intermediate_size`` may override the MLP width)."""
         cfg = target.config
         heads = int(cfg.num_attention_heads)
@@ -68,6 +76,7 @@ class EagleConfig:
             head_dim=int(head_dim),
             rope_theta=float(theta or getattr(cfg, "rope_theta", 10000.0) or 10000.0),
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6) or 1e-6),
+            feature_layers=tuple(feature_layers),
         )
 
 
@@ -178,18 +187,45 @@ class EagleDrafter(nn.Module):
     Tensor names follow the EAGLE checkpoints' (``fc``, ``layers.0.self_attn.q_proj`` ...,
     ``layers.0.mlp.gate_proj`` ...), plus ``embed_norm``/``feature_norm`` before ``fc`` (as EAGLE-3)
     and ``norm`` after the layer (its output is compared with post-norm target features).
+
+    With ``config.feature_layers`` (EAGLE-3's multi-layer features) a true pair's feature is
+    :meth:`fuse`'s ``h_j + tap_fc(tap_norm(taps_j))``: the target's last state plus a learned
+    projection of lower layers' states, which still carry what the last layer has already turned
+    into the next token's prediction (the tokens after it are what a drafter needs). ``tap_fc``
+    starts at zero, so a drafter trained without taps is the starting point, not a random one.
     """
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config
         h, d = config.hidden_size, config.head_dim
+        if config.feature_layers:
+            taps = len(config.feature_layers)
+            self.tap_norm = nn.Parameter(torch.ones(taps, h))
+            self.tap_fc = nn.Linear(taps * h, h, bias=False)
+            nn.init.zeros_(self.tap_fc.weight)
         self.embed_norm = RMSNorm(h, config.rms_norm_eps)
         self.feature_norm = RMSNorm(h, config.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = nn.ModuleList([_Layer(config)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self._heads, self._kv, self._d = config.num_attention_heads, config.num_key_value_heads, d
+
+    def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A true pair's feature ``[..., H]`` from the target's hidden row ``[..., (1 + F) H]``: the
+        last layer's state, plus the projected taps of ``config.feature_layers`` (each RMS-normed:
+        the layers' scales differ)."""
+        h, taps = self.config.hidden_size, len(self.config.feature_layers)
+        if hidden.shape[-1] != (1 + taps) * h:
+            raise ValueError(
+                f"the EAGLE drafter wants target rows of {(1 + taps) * h} values (the last state and "
+                f"{taps} feature layers of {h}), got {hidden.shape[-1]}"
+            )
+        if not taps:
+            return hidden
+        lower = hidden[..., h:].unflatten(-1, (taps, h)).float()
+        lower = lower * torch.rsqrt(lower.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return hidden[..., :h] + self.tap_fc((lower * self.tap_norm).flatten(-2).to(hidden.dtype))
 
     @torch.no_grad()
     def init_identity(self) -> EagleDrafter:

@@ -29,7 +29,10 @@ How this maps to what vLLM and SGLang load (not drop-in; a converter would need 
   (``d2t = draft_vocab - arange(N)``), and ``t2d`` is its indicator over the target vocabulary. Two
   differences: our features are the target's hidden states *after* its final norm (EAGLE-1 reads
   them before it, EAGLE-3 concatenates three layers), and ``embed_norm``/``feature_norm``/``norm`` are
-  extra RMSNorms, so an exporter must fold or re-train them.
+  extra RMSNorms, so an exporter must fold or re-train them. With ``feature_layers`` (EAGLE-3's
+  multi-layer features) the feature is ``h_last + tap_fc([tap_norm(x_i) for i in feature_layers])``,
+  ``x_i`` the normed input of decoder layer i; EAGLE-3's own ``fc`` maps the raw residual streams
+  of three layers ``[low; mid; high]`` 3H -> H, so that too needs a converter, not a rename.
 """
 
 from __future__ import annotations

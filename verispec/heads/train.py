@@ -27,7 +27,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +123,20 @@ class TokenData:
     it, because that is what greedy verification accepts.
     """
 
-    def __init__(self, store: HiddenStore | dict[str, np.ndarray], labels: str = "target") -> None:
+    def __init__(
+        self,
+        store: HiddenStore | dict[str, np.ndarray],
+        labels: str = "target",
+        feature_layers: tuple[int, ...] | None = None,
+    ) -> None:
+        """``feature_layers``: the layers of the arrays' ``taps`` (a store's own by default)."""
         arrays = store if isinstance(store, dict) else store.arrays()
+        if feature_layers is None:
+            feature_layers = () if isinstance(store, dict) else store.feature_layers
+        if feature_layers and "taps" not in arrays:
+            raise VerispecError(f"feature layers {list(feature_layers)} asked for, but the data has no taps")
+        self.feature_layers = tuple(feature_layers)
+        self.taps = arrays["taps"] if feature_layers else None
         self.hidden = arrays["hidden"]
         tokens = np.asarray(arrays["tokens"]).astype(np.int64)
         starts = np.asarray(arrays["starts"]).astype(np.int64)
@@ -154,10 +166,20 @@ class TokenData:
             if bool(self.heldout[s]) == heldout and self.starts[s + 1] - self.starts[s] >= 3
         ]
 
-    def features(self, index: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[..., H]`` (float32) at positions ``index``."""
+    def features(self, index: torch.Tensor, layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """Hidden states ``[..., H]`` (float32) at positions ``index``; with ``layers`` (a drafter's
+        feature layers, which must be the data's), the target rows it reads, ``[..., (1 + F) H]``:
+        the last state, then the taps."""
+        if layers and layers != self.feature_layers:
+            raise VerispecError(
+                f"a drafter fusing layers {list(layers)} needs their hidden states; the data has "
+                f"{list(self.feature_layers) or 'the last layer only'} (train with --feature-layers)"
+            )
         flat = index.reshape(-1).numpy()
         rows = torch.from_numpy(np.asarray(self.hidden[flat], dtype=np.float32))
+        if layers and self.taps is not None:
+            lower = torch.from_numpy(np.asarray(self.taps[flat], dtype=np.float32))
+            rows = torch.cat([rows, lower], dim=-1)
         return rows.reshape(*index.shape, -1)
 
     def frequent_labels(self, n: int) -> tuple[torch.Tensor | None, float]:
@@ -258,16 +280,19 @@ def evaluate_medusa(
 @dataclass
 class EagleBatch:
     embeds: torch.Tensor  # [B, L, H] embeddings of x_{j+1}
-    features: torch.Tensor  # [B, L, H] h_j
+    features: torch.Tensor  # [B, L, H] h_j ([B, L, (1 + F) H] with the taps of F feature layers)
     next_features: torch.Tensor  # [B, L, H] h_{j+1}
     label: torch.Tensor  # [B, L] label of x_{j+2}
     greedy: torch.Tensor  # [B, L] the target's argmax for x_{j+2}
     valid: torch.Tensor  # [B, L]
 
 
-def eagle_batch(data: TokenData, embeddings: torch.Tensor, seqs: list[tuple[int, int]]) -> EagleBatch:
+def eagle_batch(
+    data: TokenData, embeddings: torch.Tensor, seqs: list[tuple[int, int]], layers: tuple[int, ...] = ()
+) -> EagleBatch:
     """Pairs ``(h_j, x_{j+1})`` of each sequence, padded to the longest (padding is never valid and,
-    coming after every real position, never attended to by one)."""
+    coming after every real position, never attended to by one); ``layers``: the drafter's feature
+    layers, whose taps come with ``h_j``."""
     length = max(b - a - 1 for a, b in seqs)
     feat_idx = torch.zeros(len(seqs), length, dtype=torch.long)
     valid = torch.zeros(len(seqs), length, dtype=torch.bool)
@@ -279,7 +304,7 @@ def eagle_batch(data: TokenData, embeddings: torch.Tensor, seqs: list[tuple[int,
     nxt = (feat_idx + 1).clamp_max(data.total - 1)
     return EagleBatch(
         embeds=embeddings[data.tokens[nxt]],
-        features=data.features(feat_idx),
+        features=data.features(feat_idx, layers),
         next_features=data.features(nxt),
         label=data.label[nxt],
         greedy=data.greedy[nxt],
@@ -294,7 +319,7 @@ def eagle_passes(
     length = batch.features.shape[1]
     masks = unrolled_masks(length, passes)
     positions = torch.arange(length)
-    features = batch.features
+    features = drafter.fuse(batch.features)
     past: tuple[torch.Tensor, torch.Tensor] | None = None
     outs = []
     for d in range(1, passes + 1):
@@ -350,7 +375,7 @@ def evaluate_eagle(
     hits = torch.zeros(depths, 2)
     count = torch.zeros(depths)
     for seqs in length_batches(data.sequences(heldout=True), batch_tokens, None):
-        batch = eagle_batch(data, embeddings, seqs)
+        batch = eagle_batch(data, embeddings, seqs, drafter.config.feature_layers)
         for d, (out, counts) in enumerate(eagle_passes(drafter, batch, depths)):
             top = vocab.to_target(vocab(out[counts]).topk(width, dim=-1).indices)
             want = batch.greedy[counts]
@@ -481,11 +506,15 @@ def warm_start(module: nn.Module, settings: TrainSettings, target: Any) -> str:
     folder = Path(settings.init_from or "")
     loaded = load_heads(folder, target, kind=settings.kind)
     want, have = module.config, loaded.module.config  # type: ignore[union-attr]
-    if want != have:
+    # A drafter without feature layers may start one with them: its taps' projection starts at zero.
+    adds_taps = isinstance(want, EagleConfig) and not have.feature_layers
+    if (replace(want, feature_layers=()) if adds_taps else want) != have:
         raise VerispecError(
             f"--init-from {folder}: its sizes {have.to_dict()} differ from this run's {want.to_dict()}"
         )
-    module.load_state_dict(loaded.module.state_dict())
+    missing, unexpected = module.load_state_dict(loaded.module.state_dict(), strict=False)
+    if unexpected or any(not name.startswith("tap_") for name in missing):
+        raise VerispecError(f"--init-from {folder}: weights do not match ({missing + unexpected})")
     return file_sha256(folder / WEIGHTS_FILE)
 
 
@@ -535,7 +564,8 @@ def train_heads(
         examples = int(train_j.numel())
     else:
         embeddings = target.model.get_input_embeddings().weight.detach().float()
-        drafter = EagleDrafter(EagleConfig.for_target(target, settings.intermediate_size))
+        config = EagleConfig.for_target(target, settings.intermediate_size, data.feature_layers)
+        drafter = EagleDrafter(config)
         if settings.init_from:
             started_from = warm_start(drafter, settings, target)
         elif settings.eagle_init == "identity":
@@ -548,7 +578,9 @@ def train_heads(
         stats = fit(
             drafter,
             eagle_batches,
-            lambda seqs: eagle_loss(drafter, vocab, eagle_batch(data, embeddings, seqs), to_draft, settings),
+            lambda seqs: eagle_loss(
+                drafter, vocab, eagle_batch(data, embeddings, seqs, config.feature_layers), to_draft, settings
+            ),
             settings,
             checkpoint,
             resume=resume,
@@ -605,6 +637,11 @@ def add_train_parser(sub: Any, default_target: str) -> None:
         "--eagle-init", choices=["identity", "random"], default="identity", help="eagle: start from"
     )
     p.add_argument("--init-from", type=Path, default=None, help="heads folder to go on training from")
+    p.add_argument(
+        "--feature-layers", default="",
+        help="eagle: comma list of target decoder layers whose normed inputs are fused into the "
+        "feature (EAGLE-3; e.g. 2,14 for a 28-layer target; cached with the hidden states)",
+    )  # fmt: skip
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N commonest tokens (0: all)")
     p.add_argument(
         "--labels",
@@ -669,7 +706,10 @@ def run_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         skip_tokens=args.skip_tokens,
         distilled=str(args.distilled.expanduser().resolve()) if args.distilled else None,
+        feature_layers=_layer_list(args.feature_layers),
     )
+    if spec.feature_layers and args.kind != "eagle":
+        raise VerispecError("--feature-layers is for eagle drafters (Medusa heads read the last layer only)")
     from verispec.cli import load_config
 
     began = time.perf_counter()
@@ -679,7 +719,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.data_only:
         print(f"hidden states cached in {store.folder}: {store.summary()}")
         return 0
-    data = TokenData(store.arrays(spec.max_tokens), settings.labels)
+    data = TokenData(store.arrays(spec.max_tokens), settings.labels, store.feature_layers)
     out = args.out.expanduser().resolve()
     key = hashlib.sha256(str(out).encode()).hexdigest()[:12]
     checkpoint = cache_root() / "heads-train" / f"{settings.kind}-{key}" / "checkpoint.pt"
@@ -691,6 +731,13 @@ def run_train(args: argparse.Namespace) -> int:
     save_heads(out, settings.kind, module, identity, vocab_ids, tree=settings.tree, training=record)
     print(_summary(settings.kind, out, record))
     return 0
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise VerispecError(f"--feature-layers takes a comma list of layer indices, got {text!r}") from None
 
 
 def _training_record(

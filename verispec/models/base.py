@@ -27,7 +27,7 @@ class ForwardOutput:
 @dataclass
 class BatchOutput:
     logits: list[torch.Tensor]  # per row [keep_b, V] float32
-    hidden: list[torch.Tensor] | None = None  # per row [keep_b, H]
+    hidden: list[torch.Tensor] | None = None  # per row [keep_b, H], [keep_b, (1 + F) H] with F feature layers
 
 
 @runtime_checkable
@@ -79,6 +79,7 @@ class CausalLM(Protocol):
         positions: Sequence[Sequence[int]] | None = None,  # per row; default T_b .. (trees override)
         tree_masks: Sequence[torch.Tensor | None] | None = None,  # per row [S_b, S_b] bool (trees)
         hidden_to_keep: Sequence[int] | None = None,  # per row, hidden states of its last this-many
+        feature_layers: Sequence[int] = (),  # decoder layers whose normed inputs follow each hidden state
     ) -> BatchOutput:
         """Many sequences in one pass. A row's result does not depend on the other rows: batching
         is invisible in the output, to the bit on the batch-invariant paths."""

@@ -93,12 +93,15 @@ class HFCausalLM:
         positions: Sequence[Sequence[int]] | None = None,
         tree_masks: Sequence[torch.Tensor | None] | None = None,
         hidden_to_keep: Sequence[int] | None = None,
+        feature_layers: Sequence[int] = (),
     ) -> BatchOutput:
         """One decoder pass over several sequences, each appending its own tokens to its own cache.
 
         Row b's logits are for its last ``logits_to_keep[b]`` new tokens (0: none). Hidden states
         come back for the last ``hidden_to_keep[b]`` tokens, or with ``return_hidden`` for the
-        same tokens as the logits. ``positions`` overrides
+        same tokens as the logits; ``feature_layers`` appends the normed inputs of those decoder
+        layers to each hidden state (``[keep, (1 + len) H]``, see :func:`verispec.models.lean.forward`).
+        ``positions`` overrides
         the default positions (cache length onwards), as token trees do; ``tree_masks`` gives each
         row's attention among its new tokens (see :class:`RowBatch`).
 
@@ -124,24 +127,18 @@ class HFCausalLM:
                 position_ids[b, lengths[b] :] = position_ids[b, lengths[b] - 1]
             else:
                 position_ids[b] = torch.arange(starts[b], starts[b] + width)
+        taps = self.check_feature_layers(feature_layers)
         rows = RowBatch(caches=caches, starts=starts, lengths=lengths, tree_masks=tree_masks)
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         with prompt_rows() if not any(logits_to_keep) else nullcontext():
             if self.lean:
-                hidden = lean.forward(self.decoder, input_ids, position_ids, rows)  # [B, S, H]
+                hidden = lean.forward(self.decoder, input_ids, position_ids, rows, taps)  # [B, S, H']
             else:
-                hidden = self.decoder(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    attention_mask=_NO_MASKS,
-                    use_cache=True,
-                    verispec_rows=rows,
-                    **{self._cache_kwarg: rows},
-                ).last_hidden_state
+                hidden = self._decoder_forward(input_ids, position_ids, rows, taps)
         for cache, n in zip(caches, lengths, strict=True):
             cache.advance(n)
         kept = [hidden[b, n - k : n] for b, (n, k) in enumerate(zip(lengths, logits_to_keep, strict=True))]
-        flat = torch.cat(kept)  # [sum keep, H]
+        flat = torch.cat(kept)[:, : self.hidden_size]  # [sum keep, H]
         logits = self.lm_head(flat).float() if flat.shape[0] else flat.new_zeros(0, self.vocab_size)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -153,6 +150,41 @@ class HFCausalLM:
         elif return_hidden:
             rows = kept
         return BatchOutput(logits=list(logits.split([h.shape[0] for h in kept])), hidden=rows)
+
+    def check_feature_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """``layers`` as a tuple, refused unless each names one of this model's decoder layers."""
+        count = int(self.config.num_hidden_layers)
+        bad = [i for i in layers if not 0 <= int(i) < count]
+        if bad:
+            raise VerispecError(
+                f"{self.name} has decoder layers 0..{count - 1}; feature layers {bad} do not exist"
+            )
+        return tuple(int(i) for i in layers)
+
+    def _decoder_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: RowBatch, taps: tuple[int, ...]
+    ) -> torch.Tensor:
+        """transformers' own decoder forward; a tap's feature is caught at its layer's input norm."""
+        tapped: dict[int, torch.Tensor] = {}
+        hooks = [
+            self.decoder.layers[i].input_layernorm.register_forward_hook(
+                lambda _m, _a, out, i=i: tapped.__setitem__(i, out)
+            )
+            for i in taps
+        ]
+        try:
+            hidden = self.decoder(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=_NO_MASKS,
+                use_cache=True,
+                verispec_rows=rows,
+                **{self._cache_kwarg: rows},
+            ).last_hidden_state
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return torch.cat([hidden, *(tapped[i] for i in taps)], dim=-1) if taps else hidden
 
 
 _NO_MASKS = {"full_attention": None, "sliding_attention": None, "chunked_attention": None}

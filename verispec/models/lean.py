@@ -26,7 +26,7 @@ batch-invariant, and one process uses one path for every forward (:data:`use_nat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -79,17 +79,29 @@ def forward(
     input_ids: torch.Tensor,  # [B, S]
     position_ids: torch.Tensor,  # [B, S]
     rows: RowBatch,
+    taps: Sequence[int] = (),
 ) -> torch.Tensor:
-    """The decoder's last hidden state after its final norm, [B, S, H], as its own forward gives."""
+    """The decoder's last hidden state after its final norm, [B, S, H], as its own forward gives.
+
+    ``taps``: decoder layer indices whose *normed input* (what the layer's attention reads, after
+    its ``input_layernorm``) is appended, giving ``[B, S, (1 + len(taps)) H]``: EAGLE-3's low and
+    middle layer features, taken where the forward computes them anyway."""
     hidden = decoder.embed_tokens.forward(input_ids)
     cos, sin = decoder.rotary_emb.forward(hidden, position_ids)  # [B, S, D]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over heads, for [B, S, heads, D]
     window = _WINDOWS[type(decoder).__name__]
     if _native_ready(hidden):
-        return _native_forward(decoder, hidden, cos, sin, rows, window)
-    for layer in decoder.layers:
+        return _native_forward(decoder, hidden, cos, sin, rows, window, taps)
+    tapped: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(decoder.layers):
+        if i in taps:
+            tapped[i] = _rms_norm(layer.input_layernorm, hidden)
         hidden = _layer(layer, hidden, cos, sin, rows, window(layer.self_attn))
-    return _rms_norm(decoder.norm, hidden)
+    return _with_taps(_rms_norm(decoder.norm, hidden), tapped, taps)
+
+
+def _with_taps(last: torch.Tensor, tapped: dict[int, torch.Tensor], taps: Sequence[int]) -> torch.Tensor:
+    return torch.cat([last, *(tapped[i] for i in taps)], dim=-1) if taps else last
 
 
 def _native_ready(hidden: torch.Tensor) -> bool:
@@ -106,16 +118,20 @@ def _native_forward(
     sin: torch.Tensor,
     rows: RowBatch,
     window: Callable[[nn.Module], int | None],
+    taps: Sequence[int] = (),
 ) -> torch.Tensor:
     """:func:`forward`'s layers with the C++ operations; each residual add is fused into the norm
-    after it (the next layer's input norm, or the final norm)."""
+    after it (the next layer's input norm, or the final norm), whose output is a tap's feature."""
     ops = torch.ops.verispec_layer
     layers = decoder.layers
     batch, width, _ = hidden.shape
     cos, sin = cos.reshape(batch * width, -1), sin.reshape(batch * width, -1)
     first = layers[0].input_layernorm
     x = ops.rms_norm(hidden, first.weight, first.variance_epsilon)
+    tapped: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(layers):
+        if i in taps:
+            tapped[i] = x
         attn, mlp = layer.self_attn, layer.mlp
         delta = _native_attention(attn, x, cos, sin, rows, window(attn))
         norm = layer.post_attention_layernorm
@@ -130,7 +146,7 @@ def _native_forward(
         delta = mlp.down_proj.forward(ops.silu_mul(gate, up).view(batch, width, -1))
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
         hidden, x = ops.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
-    return x
+    return _with_taps(x, tapped, taps)
 
 
 def _native_attention(

@@ -33,6 +33,9 @@ class Proposer(ABC):
     needs_hidden: ClassVar[bool] = False
     """True for proposers that draft from the target's hidden states (Medusa, EAGLE): the engine
     then hands them the target's last-layer hidden states of every committed position."""
+    feature_layers: tuple[int, ...] = ()
+    """Decoder layers whose normed inputs a ``needs_hidden`` proposer also wants (EAGLE-3's low and
+    middle layers): they follow the last-layer state in each hidden row, ``[n, (1 + F) H]``."""
     drafts_trees: ClassVar[bool] = False
     """True for proposers whose trees carry scores (Medusa, EAGLE): the engine asks them for their
     full depth and the depth policy then keeps the best prefix of each tree (its node budget)."""

@@ -85,6 +85,7 @@ class EagleProposer(HeadsProposer):
     ) -> None:
         super().__init__(drafter, vocab_head, nodes=nodes, width=width, quantize=quantize)
         self.drafter = drafter
+        self.feature_layers = drafter.config.feature_layers
         self.embeddings = embeddings
         self.expand_min_logp = math.log(expand_min_prob) if expand_min_prob > 0 else -math.inf
 
@@ -209,7 +210,7 @@ class EagleProposer(HeadsProposer):
             groups.append(DraftRows(state.cache, start, torch.arange(start, start + n), causal))
         if not todo:
             return
-        out = self.drafter.step(self._embed(ids), torch.cat(features), groups)
+        out = self.drafter.step(self._embed(ids), self.drafter.fuse(torch.cat(features)), groups)
         row = 0
         for state, n in todo:
             state.cache.commit(n)

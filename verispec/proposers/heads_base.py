@@ -89,6 +89,9 @@ class HeadsProposer(Proposer):
 
         The spec's tree settings win over the ones the heads were shipped with.
         """
+        layers = getattr(loaded.module.config, "feature_layers", ())
+        if layers and hasattr(target, "check_feature_layers"):
+            target.check_feature_layers(layers)  # heads for this target's sizes but another depth
         quantization = heads_quantization(target)
         proposer = cls(
             loaded.module,

@@ -61,6 +61,7 @@ class HybridProposer(Proposer):
         self.heads = heads
         self.lookup = lookup
         self.name = f"{heads.name}+ngram"  # type: ignore[misc]  # one class, two registered names
+        self.feature_layers = heads.feature_layers
         self.prior = AcceptancePrior(mean=0.5)
         """Lookup's record over all sequences. Neutral where nothing is measured yet: the engine's
         optimistic 0.8 would rank an unmeasured lookup branch above most of the heads' nodes."""
