@@ -409,7 +409,7 @@ class SpecEngine:
 
     @property
     def _feature_layers(self) -> tuple[int, ...]:
-        return self.proposer.feature_layers if self._needs_hidden and self.proposer is not None else ()
+        return self.proposer.feature_layers if self.proposer is not None else ()
 
     def _depths(self, seqs: list[SeqState]) -> list[int]:
         caps = [_speculation_cap(s) for s in seqs]

@@ -552,9 +552,12 @@ def target_states(
     """The target's hidden state after each token of ``ids`` ``[n, H]`` (``[n, (1 + F) H]`` with
     ``feature_layers``) and its argmax next token ``[n]``, with the engine's own forward (so, int8 on
     the fast path: what drafting will see)."""
-    extra = {"feature_layers": feature_layers} if feature_layers else {}
     out = target.forward_batch(
-        [target.new_cache()], [ids], logits_to_keep=[0], hidden_to_keep=[len(ids)], **extra
+        [target.new_cache()],
+        [ids],
+        logits_to_keep=[0],
+        hidden_to_keep=[len(ids)],
+        feature_layers=feature_layers,
     )
     hidden = out.hidden[0].float()
     last = hidden[:, : target.hidden_size]

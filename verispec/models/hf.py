@@ -184,7 +184,7 @@ class HFCausalLM:
         finally:
             for hook in hooks:
                 hook.remove()
-        return torch.cat([hidden, *(tapped[i] for i in taps)], dim=-1) if taps else hidden
+        return lean.with_taps(hidden, tapped, taps)
 
 
 _NO_MASKS = {"full_attention": None, "sliding_attention": None, "chunked_attention": None}

@@ -97,10 +97,11 @@ def forward(
         if i in taps:
             tapped[i] = _rms_norm(layer.input_layernorm, hidden)
         hidden = _layer(layer, hidden, cos, sin, rows, window(layer.self_attn))
-    return _with_taps(_rms_norm(decoder.norm, hidden), tapped, taps)
+    return with_taps(_rms_norm(decoder.norm, hidden), tapped, taps)
 
 
-def _with_taps(last: torch.Tensor, tapped: dict[int, torch.Tensor], taps: Sequence[int]) -> torch.Tensor:
+def with_taps(last: torch.Tensor, tapped: dict[int, torch.Tensor], taps: Sequence[int]) -> torch.Tensor:
+    """``last`` with the tapped layers' features after it, in ``taps`` order (the forwards' output)."""
     return torch.cat([last, *(tapped[i] for i in taps)], dim=-1) if taps else last
 
 
@@ -146,7 +147,7 @@ def _native_forward(
         delta = mlp.down_proj.forward(ops.silu_mul(gate, up).view(batch, width, -1))
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
         hidden, x = ops.add_rms_norm(hidden, delta, norm.weight, norm.variance_epsilon)
-    return _with_taps(x, tapped, taps)
+    return with_taps(x, tapped, taps)
 
 
 def _native_attention(
