@@ -256,12 +256,13 @@ def _serve(args: argparse.Namespace) -> int:
 
     SchedulerConfig(max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)  # fail before loading
     try:
-        from verispec.server import bind_socket, serve
+        from verispec.server import bind_socket, cap_malloc_arenas, serve
     except ImportError as exc:
         raise VerispecError(
             f"the server needs its extras ({exc.name} is missing): pip install 'verispec[serve]'"
         ) from None
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the model load
+    cap_malloc_arenas()
     try:
         engine = load_engine(args, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
         serve(engine, sock, args.served_model_name or engine.target.name, log_level=args.log_level)

@@ -537,16 +537,17 @@ def test_bench_serve_end_to_end_on_smollm2(tmp_path: Path) -> None:
 @pytest.mark.slow
 @needs_smollm2
 def test_bench_soak_end_to_end_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """200 requests with 8 tokens each, a quarter hanging up; short prompts keep it near 90 s on two
-    busy cores (Spec-Bench's summarization and RAG prompts would make prefill most of the time)."""
-    argv = ["bench", "soak", *SMOLLM2, "--requests", "200", "--max-tokens", "8", "--concurrency", "8",
+    """400 requests with 8 tokens each, a quarter hanging up; short prompts keep it near a minute on two
+    busy cores (Spec-Bench's summarization and RAG prompts would make prefill most of the time). Fewer
+    requests leave the RSS check's second half inside the allocator's climb (soak module docstring)."""
+    argv = ["bench", "soak", *SMOLLM2, "--requests", "400", "--max-tokens", "8", "--concurrency", "8",
             "--categories", "qa,translation", "--out", str(tmp_path)]  # fmt: skip
     code = main(argv)
     soak = json.loads((tmp_path / "soak.json").read_text())
     checks = {c["name"]: c for c in soak["checks"]}
     assert set(checks) == {"no_request_lost", "healthy", "server_finished", "idle", "rss"}
-    assert soak["outcomes"]["sent"] == 200 and soak["outcomes"]["lost"] == 0, soak["failures"]
-    assert 20 <= soak["outcomes"]["disconnected"] <= 80
+    assert soak["outcomes"]["sent"] == 400 and soak["outcomes"]["lost"] == 0, soak["failures"]
+    assert 60 <= soak["outcomes"]["disconnected"] <= 140
     assert checks["server_finished"]["ok"] and checks["idle"]["ok"] and checks["healthy"]["ok"]
     assert soak["server_alive_at_end"]
     assert soak["rss"]["after_warmup_mb"] > 0 and soak["rss"]["half_mb"] > 0 and soak["rss"]["end_mb"] > 0

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.server.harness import tiny_pair
+from verispec.server import cap_malloc_arenas
 
 
 def run_serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -64,6 +65,14 @@ def test_port_in_use_fails_at_once_on_one_line():
 )
 def test_bad_settings_are_one_line_errors(args, needle):
     assert_one_line_error(run_serve("--port", "0", *args), needle)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert cap_malloc_arenas()
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert not cap_malloc_arenas()
 
 
 def test_serves_until_interrupted(model_folder, tmp_path):

@@ -226,7 +226,7 @@ def _add_soak_parser(sub: argparse._SubParsersAction, default_target: str) -> No
         "--method", default=None, choices=["ngram", "draft", "none"], help="default: draft if --draft"
     )
     soak.add_argument("--depth-policy", default="adaptive", choices=["adaptive", "fixed"])
-    soak.add_argument("--requests", type=int, default=200, help="requests after the warm-up")
+    soak.add_argument("--requests", type=int, default=400, help="requests after the warm-up")
     soak.add_argument("--max-tokens", type=int, default=32, help="max_tokens of every request")
     soak.add_argument("--concurrency", type=int, default=8, help="concurrent users")
     soak.add_argument("--disconnect-fraction", type=float, default=0.25, help="share of clients that hang up")

@@ -51,6 +51,6 @@ too large), 429 with ``Retry-After`` (queue full), 503 (engine stopped), as
 """
 
 from verispec.server.app import create_app
-from verispec.server.launch import bind_socket, serve
+from verispec.server.launch import bind_socket, cap_malloc_arenas, serve
 
-__all__ = ["bind_socket", "create_app", "serve"]
+__all__ = ["bind_socket", "cap_malloc_arenas", "create_app", "serve"]
