@@ -6,9 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 V=.venv/bin/verispec
 OUT=${OUT:-docs/results/heads/zen5-s18}
-$V bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --threads 2 \
-    --methods none,draft,eagle,eagle+ngram -k 5 --depth-policy adaptive --max-new-tokens 96 --warmup 1 \
-    --quantization int4 --dataset humaneval --limit 20 --out "$OUT/humaneval"
-$V bench --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --threads 2 \
-    --methods none,draft,eagle,eagle+ngram -k 5 --depth-policy adaptive --max-new-tokens 96 --warmup 1 \
-    --quantization int4 --dataset spec_bench --limit 3 --out "$OUT/spec_bench"
+COMMON=(--target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --threads 2
+        --methods none,draft,eagle,eagle+ngram -k 5 --depth-policy adaptive --max-new-tokens 96 --warmup 1
+        --quantization int4)
+$V bench "${COMMON[@]}" --dataset humaneval --limit 20 --out "$OUT/humaneval"
+$V bench "${COMMON[@]}" --dataset spec_bench --limit 3 --out "$OUT/spec_bench"
