@@ -344,9 +344,17 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
             from verispec.models.int4 import kernel_key
 
             quant = f"int4{kernel_key()[:8]}"
+        if quant != "none" and _runs_amx(m):
+            quant += "-amx"  # the AMX kernels price a verified row at a fraction of the others'"
         params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0
         shape = f"{m.vocab_size}-{m.hidden_size}-{params}"
         return f"{m.name}-{shape}-{quant}-{m.device}{attention}".replace("/", "_")
 
     draft_part = f"+{one(draft)}" if draft is not None else ""
     return f"{one(target)}{draft_part}-t{torch.get_num_threads()}-v{_COSTS_VERSION}"
+
+
+def _runs_amx(m: CausalLM) -> bool:
+    """Whether ``m``'s quantized Linears run verispec's AMX kernels (``VERISPEC_INT4_AMX`` chooses)."""
+    layers = m.model.modules() if hasattr(m, "model") else ()
+    return any(getattr(layer, "amx", False) is True for layer in layers)

@@ -11,15 +11,24 @@ import torch
 
 from tests.conftest import tiny_llama
 from tests.models.test_quant import (
+    AMX_MODES,
     assert_scores_alone_as_beside_drafts,
     assert_speculation_is_lossless,
     assert_weights_are_cached_and_reused,
+    kernels,
 )
 from tests.test_engine import PROMPTS
 from verispec.errors import VerispecError
 from verispec.models import int4
 from verispec.models.hf import HFCausalLM
-from verispec.models.int4 import GROUP, Int4Linear, dequantize, quantize_weight
+from verispec.models.int4 import (
+    GROUP,
+    Int4Linear,
+    dequantize,
+    from_amx_layout,
+    quantize_weight,
+    to_amx_layout,
+)
 from verispec.models.quant import RowwiseInt8Linear, quantize_model, resolve_quantization
 
 pytestmark = pytest.mark.skipif(
@@ -35,35 +44,42 @@ def _linear(n: int, k: int, seed: int, bias: bool = True) -> torch.nn.Linear:
     return torch.nn.Linear(k, n, bias=bias)
 
 
-@pytest.mark.parametrize("kernel", ["decode", "many-row"])
+KERNELS = ["decode", "many-row"] + (["amx"] if int4.amx_available() else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     ("n", "k", "bias"),
     [(48, 64, True), (130, 576, False), (8, 300, True), (256, 1536, True), (37, 100, True)],
 )
-def test_kernel_matches_its_dequantized_weights(n, k, bias, kernel):
+@pytest.mark.parametrize("rows", [3, 13, 40])
+def test_kernel_matches_its_dequantized_weights(n, k, bias, kernel, rows):
     """Padding of inputs (to a whole group) and channels (to 4, and to the many-row kernel's tiles
-    of 32) is invisible; the only error left beside the weights' own is the 8-bit rounding of each
-    activation row."""
+    of 32 or AMX's of 16) is invisible; the only error left beside the weights' own is the 8-bit
+    rounding of each activation row. 3, 13 and 40 rows: AMX's VNNI rows, one tile, three tiles."""
     linear = _linear(n, k, seed=n + k, bias=bias)
-    q = Int4Linear.from_linear(linear)
-    x = torch.randn(13, k)
+    q = Int4Linear.from_linear(linear, amx=kernel == "amx")
+    x = torch.randn(rows, k)
     with int4.prompt_rows() if kernel == "many-row" else contextlib.nullcontext():
         got = q(x)
-    assert got.shape == (13, n)
-    weight = dequantize(q.packed, q.scales, q.offsets, (n, k))
+    assert got.shape == (rows, n)
+    weight = dequantize(*q.parts(), (n, k))
     want = x @ weight.T + (linear.bias if bias else 0)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02
     # And the 4-bit weights themselves are close to the float ones.
     assert ((weight - linear.weight).norm() / linear.weight.norm()) < 0.1
 
 
-def test_kernel_is_batch_invariant_to_the_bit(restore_torch_threads):
-    """A row's output is the same alone, in any prefix, at any position and at any thread count."""
-    q = Int4Linear.from_linear(_linear(100, 200, seed=1))
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_kernel_is_batch_invariant_to_the_bit(restore_torch_threads, amx):
+    """A row's output is the same alone, in any prefix, at any position and at any thread count
+    (on AMX: through VNNI products up to 5 rows, one tile of 16, or several tiles)."""
+    q = Int4Linear.from_linear(_linear(100, 200, seed=1), amx=amx)
     rows = torch.randn(19, 200) * torch.logspace(-3, 3, 19)[:, None]  # wildly different magnitudes
     together = q(rows)
     for m in range(1, 20):
         assert torch.equal(q(rows[:m]), together[:m])
+        assert torch.equal(q(rows[-m:]), together[-m:])
     assert torch.equal(torch.cat([q(rows[i : i + 1]) for i in range(19)]), together)
     assert torch.equal(q(rows.flip(0)), together.flip(0))
     assert torch.equal(q(rows.view(1, 19, 200))[0], together)
@@ -75,7 +91,7 @@ def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel(r
     """Prompt rows: each row's output is the same alone or among others (to the bit, any count,
     any position, any thread count), and within float rounding of the decode kernel's (AVX-512:
     a second kernel) or equal to it (AVX2: prompt rows take the decode kernel)."""
-    q = Int4Linear.from_linear(_linear(70, 1000, seed=2))
+    q = Int4Linear.from_linear(_linear(70, 1000, seed=2), amx=False)
     rows = torch.randn(29, 1000) * torch.logspace(-2, 2, 29)[:, None]
     decode = q(rows)
     with int4.prompt_rows():
@@ -93,6 +109,31 @@ def test_many_row_kernel_keeps_rows_independent_and_close_to_the_decode_kernel(r
     torch.set_num_threads(1)  # the fixture gives the session its thread count back
     with int4.prompt_rows():
         assert torch.equal(q(rows), together)
+
+
+@pytest.mark.skipif(not int4.amx_available(), reason="the AMX kernels need a CPU with AMX-INT8")
+def test_amx_runs_prompt_rows_as_decode_rows_and_close_to_the_vnni_kernel():
+    """On AMX one kernel takes every row (so prompt rows need no kernel of their own), and it differs
+    from the VNNI kernel only by float rounding (same codes, other order of additions)."""
+    linear = _linear(70, 1000, seed=3)
+    amx, vnni = (Int4Linear.from_linear(linear, amx=a) for a in (True, False))
+    rows = torch.randn(29, 1000)
+    decode = amx(rows)
+    with int4.prompt_rows():
+        assert torch.equal(amx(rows), decode)
+    want = vnni(rows)
+    assert ((decode - want).norm(dim=-1) / want.norm(dim=-1)).max() < 1e-5
+
+
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (130, 576), (37, 100), (4, 1536)])
+def test_the_amx_layout_holds_the_same_codes(n, k):
+    """to_amx_layout and from_amx_layout are inverses (fusion reads a layer's parts back), padding
+    the channels to AMX's 16 with zeros."""
+    parts = quantize_weight(_linear(n, k, seed=k).weight)
+    packed, scales, offsets = to_amx_layout(*parts)
+    assert packed.shape[0] == scales.shape[0] == -(-n // 16)
+    for got, want in zip(from_amx_layout(packed, scales, offsets, n), parts, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_the_fitted_scales_never_lose_to_plain_rounding_and_clip_outliers():
@@ -114,10 +155,12 @@ def test_the_fitted_scales_never_lose_to_plain_rounding_and_clip_outliers():
     assert chosen_steps[0, 0] < step[0, 0, 0] and err[0, 0] < plain[0, 0]
 
 
-@pytest.fixture(scope="module")
-def float_and_int4() -> tuple[HFCausalLM, HFCausalLM]:
+@pytest.fixture(scope="module", params=AMX_MODES)
+def float_and_int4(request) -> tuple[HFCausalLM, HFCausalLM]:
     model = tiny_llama(0)
-    quantized = quantize_model(copy.deepcopy(model), "int4")
+    with kernels(request.param):
+        quantized = quantize_model(copy.deepcopy(model), "int4")
+    assert all(m.amx == request.param for m in quantized.modules() if isinstance(m, Int4Linear))
     return HFCausalLM(model, name="fp32"), HFCausalLM(quantized, name="int4")
 
 
@@ -148,7 +191,8 @@ def test_speculation_is_lossless_on_the_int4_path(float_and_int4):
 
 
 def test_only_passes_that_keep_no_logits_take_the_many_row_kernel(float_and_int4, monkeypatch):
-    """Prefill (no logits kept) runs the many-row kernel; decode and verify rows never do."""
+    """Prefill (no logits kept) runs the many-row kernel; decode and verify rows never do (on AMX
+    the flag is set the same way, and one kernel takes both)."""
     _, q4 = float_and_int4
     seen: list[bool] = []
     forward = Int4Linear.forward

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from tests.conftest import tiny_llama
 from tests.test_engine import PROMPTS, make_engine
 from verispec.errors import VerispecError
+from verispec.models import int4
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import (
     RowwiseInt8Linear,
@@ -19,11 +22,27 @@ from verispec.models.quant import (
     resolve_quantization,
 )
 
+AMX_MODES = [pytest.param(False, id="vnni")] + (
+    [pytest.param(True, id="amx")] if int4.amx_available() else []
+)
+"""The kernels a CPU runs: fbgemm / VNNI everywhere, and verispec's AMX kernels where the CPU has AMX
+(then both are tested, as ``VERISPEC_INT4_AMX=0`` can choose either)."""
 
-@pytest.fixture(scope="module")
-def float_and_int8() -> tuple[HFCausalLM, HFCausalLM]:
+
+@contextlib.contextmanager
+def kernels(amx: bool) -> Iterator[None]:
+    """Layers made inside this block run the AMX kernels (``amx``) or the others."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(int4.AMX_ENV, "1" if amx else "0")
+        yield
+
+
+@pytest.fixture(scope="module", params=AMX_MODES)
+def float_and_int8(request) -> tuple[HFCausalLM, HFCausalLM]:
     model = tiny_llama(0)
-    quantized = quantize_int8_dynamic(copy.deepcopy(model))
+    with kernels(request.param):
+        quantized = quantize_int8_dynamic(copy.deepcopy(model))
+    assert quantized.lm_head.amx == request.param
     return HFCausalLM(model, name="fp32"), HFCausalLM(quantized, name="int8")
 
 
@@ -83,17 +102,45 @@ def test_int8_where_it_cannot_run_is_a_clear_error(device, dtype):
         resolve_quantization("int8", device, dtype)
 
 
-def test_rowwise_int8_linear_is_batch_invariant_to_the_bit():
-    """A token's output must not depend on the tokens verified beside it (else greedy drifts)."""
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_rowwise_int8_linear_is_batch_invariant_to_the_bit(amx):
+    """A token's output must not depend on the tokens verified beside it (else greedy drifts); 40
+    rows: more than one AMX tile of 16 rows."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 48)
-    quantized = quantize_int8_dynamic(torch.nn.Sequential(linear))[0]
-    rows = torch.randn(9, 64) * torch.logspace(-3, 3, 9)[:, None]  # wildly different magnitudes
+    linear = torch.nn.Linear(100, 70)
+    quantized = RowwiseInt8Linear(*RowwiseInt8Linear.quantize_weight(linear), linear.bias, amx=amx)
+    rows = torch.randn(40, 100) * torch.logspace(-3, 3, 40)[:, None]  # wildly different magnitudes
     together = quantized(rows)
-    alone = torch.cat([quantized(rows[i : i + 1]) for i in range(9)])
+    alone = torch.cat([quantized(rows[i : i + 1]) for i in range(40)])
     assert torch.equal(together, alone)
+    for m in (5, 16, 17):
+        assert torch.equal(quantized(rows[-m:]), together[-m:])
     reference = linear(rows)
     assert ((together - reference).norm(dim=-1) / reference.norm(dim=-1)).max() < 0.05
+
+
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_rowwise_int8_linear_gives_its_int8_weights_back(amx):
+    """Fusion and the heads' vocabulary read the int8 weights back, whichever kernel holds them."""
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(130, 37)  # neither a multiple of the AMX tile's 16 channels nor of 64 inputs
+    weight, scales = RowwiseInt8Linear.quantize_weight(linear)
+    got_weight, got_scales = RowwiseInt8Linear(weight, scales, None, amx=amx).int8_parts()
+    assert torch.equal(got_weight, weight) and torch.equal(got_scales, scales)
+
+
+@pytest.mark.skipif(not int4.amx_available(), reason="the AMX kernels need a CPU with AMX-INT8")
+def test_the_amx_int8_kernel_is_as_close_to_float32_as_fbgemm():
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(1536, 1000)
+    parts = RowwiseInt8Linear.quantize_weight(linear)
+    x = torch.randn(8, 1536)
+    want = linear(x)
+    errors = [
+        ((RowwiseInt8Linear(*parts, linear.bias, amx=amx)(x) - want).norm(dim=-1) / want.norm(dim=-1)).max()
+        for amx in (False, True)
+    ]
+    assert errors[1] < 0.02 and errors[1] < 1.2 * errors[0]
 
 
 def test_int8_model_scores_a_token_identically_alone_or_beside_drafts(float_and_int8):

@@ -29,14 +29,9 @@ def float_lm_head_weight(target: Any) -> torch.Tensor:
     """[V, H] float32 weights of the target's LM head (de-quantized if it runs int8)."""
     head = target.lm_head
     if isinstance(head, RowwiseInt8Linear):
-        int8, scales = _int8_rows(head)
+        int8, scales = head.int8_parts()
         return (int8[:, : head.in_features].float() * scales[:, None]).contiguous()
     return head.weight.detach().float().cpu()
-
-
-def _int8_rows(head: RowwiseInt8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    qweight, _ = torch.ops.quantized.linear_unpack(head._packed)
-    return qweight.int_repr(), qweight.q_per_channel_scales().float()
 
 
 class VocabHead(nn.Module):
@@ -63,7 +58,7 @@ class VocabHead(nn.Module):
             self.linear = Int4Linear(*quantize_weight(weight), None, tuple(weight.shape))
             self.register_buffer("weight", torch.empty(0))
         elif not for_training and isinstance(head, RowwiseInt8Linear):
-            int8, scales = _int8_rows(head)
+            int8, scales = head.int8_parts()
             if ids is not None:
                 int8, scales = int8[ids], scales[ids]
             self.linear = RowwiseInt8Linear(int8.contiguous(), scales.contiguous(), None)

@@ -108,16 +108,10 @@ def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
     ]
     bias = torch.cat(biases) if any(m.bias is not None for m in members) else None  # type: ignore[union-attr]
     if kinds == {RowwiseInt8Linear}:
-        weights, scales = zip(*(_int8_parts(m) for m in members), strict=True)  # type: ignore[arg-type]
+        weights, scales = zip(*(m.int8_parts() for m in members), strict=True)  # type: ignore[arg-type]
         return RowwiseInt8Linear(torch.cat(weights), torch.cat(scales), bias)
     if any(m.out_features % COLS for m in members[:-1]):  # type: ignore[union-attr]
         return None  # a padded block inside the fused int4 weight would shift the later channels
-    parts = [torch.cat([getattr(m, a) for m in members]) for a in ("packed", "scales", "offsets")]
+    parts = [torch.cat(p) for p in zip(*(m.parts() for m in members), strict=True)]  # type: ignore[union-attr]
     shape = (sum(m.out_features for m in members), members[0].in_features)  # type: ignore[union-attr]
     return Int4Linear(*parts, bias, shape)
-
-
-def _int8_parts(linear: RowwiseInt8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 weight [out, in + 2] and float32 scales [out] back out of fbgemm's packed form."""
-    qweight, _ = torch.ops.quantized.linear_unpack(linear._packed)
-    return qweight.int_repr(), qweight.q_per_channel_scales().float()

@@ -19,6 +19,8 @@ at 6 bits for the same reason. Quality against float32: ``verispec bench quality
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -33,6 +35,10 @@ GROUP = 64
 """Inputs per quantization group (the kernel's unit; inputs are zero-padded to a multiple)."""
 COLS = 4
 """Output channels interleaved in one block of the kernel's layout (one per 128-bit lane)."""
+AMX_COLS = 16
+"""Output channels per tile of the AMX kernel's layout (:func:`to_amx_layout`)."""
+AMX_ENV = "VERISPEC_INT4_AMX"
+"""Set to 0 to run the VNNI kernels on a CPU with AMX (to compare the two)."""
 LAYOUT = "int4-g64-f16-lane128-v1"
 """Names the packed format; part of the weight cache's key."""
 
@@ -69,6 +75,23 @@ def ensure_kernel() -> None:
         why = native.load(_SOURCE)
     if why is not None:
         raise VerispecError(f"--quantization int4 is not available: {why}; use int8")
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the kernels were built with AMX-INT8 (the CPU has it) and this process may use the
+    tiles; False, never an error, where the build failed (callers then run their other kernel)."""
+    if not native.cpu_has_amx() or native.load(_SOURCE) is not None:
+        return False
+    return bool(torch.ops.verispec.int4_amx_ready())
+
+
+def uses_amx() -> bool:
+    """Whether new :class:`Int4Linear` and :class:`~verispec.models.quant.RowwiseInt8Linear`
+    layers run the AMX kernels: where they are available, unless ``VERISPEC_INT4_AMX=0``. On AMX a
+    verified row costs a fraction of what it costs on VNNI or fbgemm (NOTES.md, session 20), so k
+    drafted tokens cost little more than one."""
+    return os.environ.get(AMX_ENV, "1") != "0" and amx_available()
 
 
 @contextmanager
@@ -147,14 +170,67 @@ def dequantize(
 ) -> torch.Tensor:
     """The float weights [N, K] the kernel multiplies by; for tests and quality checks."""
     n, k = shape
+    q = _codes(packed).float()
+    s, o = (_per_channel(p, COLS).float().unsqueeze(-1) for p in (scales, offsets))
+    return (q * s + o).reshape(q.shape[0], -1)[:n, :k]
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes [blocks * COLS, groups, GROUP] (uint8, 0..15) of the VNNI layout."""
     blocks = packed.shape[0]
     groups = packed.shape[1] // (COLS * GROUP // 2)
     bytes_ = packed.view(blocks, groups, GROUP // 32, COLS, 16).permute(0, 3, 1, 2, 4)  # [block, j, g, t, i]
-    q = torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=-2).float()  # [block, j, g, t, half, i]
-    q = q.reshape(blocks * COLS, groups, GROUP)
-    s = scales.view(blocks, groups, COLS).transpose(1, 2).reshape(blocks * COLS, groups, 1).float()
-    o = offsets.view(blocks, groups, COLS).transpose(1, 2).reshape(blocks * COLS, groups, 1).float()
-    return (q * s + o).reshape(blocks * COLS, -1)[:n, :k]
+    return torch.stack([bytes_ & 0x0F, bytes_ >> 4], dim=-2).reshape(blocks * COLS, groups, GROUP)
+
+
+def _per_channel(params: torch.Tensor, cols: int) -> torch.Tensor:
+    """[blocks, groups * cols] (block, group, channel) -> [blocks * cols, groups]."""
+    blocks = params.shape[0]
+    return params.view(blocks, -1, cols).transpose(1, 2).reshape(blocks * cols, -1)
+
+
+def _per_block(params: torch.Tensor, cols: int) -> torch.Tensor:
+    """[channels, groups] -> [channels / cols, groups * cols] (block, group, channel)."""
+    channels, groups = params.shape
+    return (
+        params.view(channels // cols, cols, groups).transpose(1, 2).reshape(channels // cols, -1).contiguous()
+    )
+
+
+def to_amx_layout(
+    packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The VNNI layout of :func:`quantize_weight` -> the AMX kernel's (the same codes, scales and
+    offsets): tiles of 16 channels (zero channels pad the last); per tile and group 8 vectors of 64
+    bytes whose byte 4c + b holds channel c's input 4v + b (low nibble) and 4(v + 8) + b (high)."""
+    q = _codes(packed)
+    channels, groups, _ = q.shape
+    pad = -channels % AMX_COLS
+    q = nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
+    tiles = (channels + pad) // AMX_COLS
+    q = q.view(tiles, AMX_COLS, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)  # [tile, g, quad, c, b]
+    amx = q[:, :, :8] | (q[:, :, 8:] << 4)
+    params = [
+        _per_block(nn.functional.pad(_per_channel(p, COLS), (0, 0, 0, pad)), AMX_COLS)
+        for p in (scales, offsets)
+    ]
+    return amx.reshape(tiles, -1).contiguous(), params[0], params[1]
+
+
+def from_amx_layout(
+    packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, out_features: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`to_amx_layout` for a layer of ``out_features`` channels."""
+    tiles = packed.shape[0]
+    groups = packed.shape[1] // (AMX_COLS * GROUP // 2)
+    bytes_ = packed.view(tiles, groups, 8, AMX_COLS, 4)
+    q = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=2)  # [tile, g, quad, c, b]
+    channels = -(-out_features // COLS) * COLS
+    q = q.permute(0, 3, 1, 2, 4).reshape(tiles * AMX_COLS, groups, GROUP)[:channels]
+    q = q.view(channels // COLS, COLS, groups, GROUP // 32, 2, 16)  # [block, j, g, t, half, i]
+    v1 = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(channels // COLS, -1)
+    params = [_per_block(_per_channel(p, AMX_COLS)[:channels], COLS) for p in (scales, offsets)]
+    return v1.contiguous(), params[0], params[1]
 
 
 class Int4Linear(nn.Module):
@@ -168,22 +244,38 @@ class Int4Linear(nn.Module):
         offsets: torch.Tensor,
         bias: torch.Tensor | None,
         shape: tuple[int, int],
+        amx: bool | None = None,
     ) -> None:
-        """``shape``: the float weight's [out_features, in_features]."""
+        """``packed, scales, offsets``: :func:`quantize_weight`'s (VNNI) layout, kept as it is or
+        repacked for the AMX kernel (``amx``; None: :func:`uses_amx`). ``shape``: the float
+        weight's [out_features, in_features]."""
         super().__init__()
         ensure_kernel()
+        self.amx = uses_amx() if amx is None else amx
+        if self.amx and not amx_available():
+            raise VerispecError("the int4 AMX kernel is not available on this CPU or in this process")
         self.out_features, self.in_features = shape
-        self.packed, self.scales, self.offsets = (
-            packed.contiguous(),
-            scales.half().contiguous(),
-            offsets.half().contiguous(),
-        )
+        parts = (packed.contiguous(), scales.half().contiguous(), offsets.half().contiguous())
+        self.packed, self.scales, self.offsets = to_amx_layout(*parts) if self.amx else parts
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int4Linear:
-        return cls(*quantize_weight(linear.weight), linear.bias, (linear.out_features, linear.in_features))
+    def from_linear(cls, linear: nn.Linear, amx: bool | None = None) -> Int4Linear:
+        return cls(
+            *quantize_weight(linear.weight), linear.bias, (linear.out_features, linear.in_features), amx
+        )
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed, scales, offsets) in :func:`quantize_weight`'s layout, whichever kernel runs."""
+        if self.amx:
+            return from_amx_layout(self.packed, self.scales, self.offsets, self.out_features)
+        return self.packed, self.scales, self.offsets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
-        op = torch.ops.verispec.int4_linear_many if _PROMPT_ROWS.get() else torch.ops.verispec.int4_linear
+        if self.amx:  # one kernel for every row: decode, verify and prompt rows stay bit-identical
+            op = torch.ops.verispec.int4_linear_amx
+        elif _PROMPT_ROWS.get():
+            op = torch.ops.verispec.int4_linear_many
+        else:
+            op = torch.ops.verispec.int4_linear
         return op(x, self.packed, self.scales, self.offsets, self.bias, self.out_features)

@@ -28,6 +28,9 @@ _ISA_CPUINFO = {
     "avx2": (" avx2 ", " fma ", " f16c "),
 }
 """The /proc/cpuinfo flags each needs."""
+_AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
+"""Added to the AVX-512 VNNI build where the CPU has AMX-INT8 (the int4 kernel's tile path)."""
+_AMX_CPUINFO = ("amx_tile", "amx_int8")
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # source name -> None (loaded) or why it failed
 _warned: set[str] = set()  # sources whose failed build a caller has warned about
@@ -45,9 +48,21 @@ def cpu_isa() -> str | None:
     return next((isa for isa, need in _ISA_CPUINFO.items() if all(f in flags for f in need)), None)
 
 
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles with int8 products (Intel Sapphire Rapids and later) beside
+    AVX-512 VNNI: then the kernels are also built with AMX (the int4 kernel's tile path)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
+    except OSError:
+        return False
+    return cpu_isa() == "avx512-vnni" and all(f in text.split() for f in _AMX_CPUINFO)
+
+
 def flags() -> tuple[str, ...]:
     isa = cpu_isa()
-    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ())
+    amx = _AMX_FLAGS if cpu_has_amx() else ()
+    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ()) + amx
 
 
 def build_key(source: str) -> str:

@@ -76,15 +76,43 @@ class RowwiseInt8Linear(nn.Module):
     quantization (more accurate than per-tensor), batch-invariant to the bit.
     """
 
-    def __init__(self, int8_weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """int8_weight: [out, in + 2] int8 (the last two columns zero); scales: [out] float32."""
+    def __init__(
+        self,
+        int8_weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        amx: bool | None = None,
+    ) -> None:
+        """int8_weight: [out, in + 2] int8 (the last two columns zero); scales: [out] float32.
+        ``amx``: run verispec's AMX kernel instead of fbgemm (None: where it is available, see
+        :func:`verispec.models.int4.uses_amx`); it quantizes each row symmetrically to 8 bits as
+        the pinned range does here, and a verified row costs next to nothing there."""
         super().__init__()
+        from verispec.models import int4
+
         self.out_features, padded_in = int8_weight.shape
         self.in_features = padded_in - 2
-        zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        qweight = torch._make_per_channel_quantized_tensor(int8_weight, scales.double(), zero_points, 0)
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm layout, packed once
+        self.amx = int4.uses_amx() if amx is None else amx
+        if self.amx:
+            if not int4.amx_available():
+                raise VerispecError("the int8 AMX kernel is not available on this CPU or in this process")
+            self._amx_weight, self._amx_scales = _to_amx_int8(int8_weight[:, : self.in_features], scales)
+        else:
+            zero_points = torch.zeros(self.out_features, dtype=torch.long)
+            qweight = torch._make_per_channel_quantized_tensor(int8_weight, scales.double(), zero_points, 0)
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)  # fbgemm layout, packed once
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+
+    def int8_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 weight [out, in + 2] (the last two columns zero) and float32 scales [out]."""
+        if self.amx:
+            n, k = self.out_features, self.in_features
+            tiles = self._amx_weight.shape[0]
+            w = self._amx_weight.view(tiles, -1, 16, _AMX_COLS, 4).permute(0, 3, 1, 2, 4)
+            w = w.reshape(tiles * _AMX_COLS, -1)[:n, :k]
+            return nn.functional.pad(w, (0, 2)).contiguous(), self._amx_scales[:n].clone()
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight.int_repr(), qweight.q_per_channel_scales().float()
 
     @staticmethod
     def quantize_weight(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,11 +128,30 @@ class RowwiseInt8Linear(nn.Module):
         return cls(*cls.quantize_weight(linear), linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
+        if self.amx:
+            return torch.ops.verispec.int8_linear_amx(
+                x, self._amx_weight, self._amx_scales, self.bias, self.out_features
+            )
         row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)  # [..., 1]
         ones = torch.ones_like(row_scale)
         pinned = torch.cat([x / row_scale, ones, -ones], dim=-1)  # [..., in + 2], range exactly [-1, 1]
         y = torch.ops.quantized.linear_dynamic(pinned, self._packed, _REDUCE_RANGE) * row_scale  # [..., out]
         return y if self.bias is None else y + self.bias
+
+
+_AMX_COLS = 16
+"""Output channels per tile of the AMX int8 layout."""
+
+
+def _to_amx_int8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] and scales [N] -> the AMX kernel's weight [N/16, Kp*16] (per tile of 16 channels:
+    [64-input chunk][quad][channel][4 inputs], zero padded) and float32 scales [N padded to 16]."""
+    n, k = weight.shape
+    pad_n, pad_k = -n % _AMX_COLS, -k % 64
+    w = nn.functional.pad(weight, (0, pad_k, 0, pad_n))
+    tiles = (n + pad_n) // _AMX_COLS
+    w = w.view(tiles, _AMX_COLS, -1, 16, 4).permute(0, 2, 3, 1, 4)  # [tile, chunk, quad, channel, 4]
+    return w.reshape(tiles, -1).contiguous(), nn.functional.pad(scales.float(), (0, pad_n)).contiguous()
 
 
 def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> nn.Module:
