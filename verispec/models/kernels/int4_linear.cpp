@@ -493,6 +493,7 @@ constexpr int64_t kAmxCols = 16;  // output channels per tile
 constexpr int64_t kAmxRows = 16;  // activation rows per tile product
 constexpr int64_t kAmxGroupBytes = kAmxCols * kGroup / 2;  // 512: one tile's group, 4-bit
 constexpr int64_t kAmxB = kAmxCols * kGroup;  // 1024: the same group unpacked to a B tile
+constexpr int64_t kAmxPrefetch = 2048;
 
 // Linux hands out AMX's 8 KB of tile state only to processes that ask for it (once per process).
 bool amx_permitted() {
@@ -561,8 +562,8 @@ void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t
   };
   const auto unpack = [&](int64_t g) {
     if (B != nullptr || g >= groups) return;
-    _mm_prefetch(reinterpret_cast<const char*>(wt + g * kAmxGroupBytes + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wt + g * kAmxGroupBytes + kPrefetch + 256), _MM_HINT_T0);
+    for (int64_t line = 0; line < kAmxGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wt + g * kAmxGroupBytes + kAmxPrefetch + line), _MM_HINT_T0);
     amx_unpack(wt + g * kAmxGroupBytes, ring + (g & 3) * kAmxB);
   };
   const int8_t* a = q + m0 * Kp;
@@ -618,14 +619,14 @@ void amx_layout_vnni_rows(const uint8_t* wt, const uint16_t* st, const uint16_t*
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wt + g * kAmxGroupBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 256), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 320), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 384), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetch + 448), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 256), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 320), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 384), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 448), _MM_HINT_T0);
     __m512i d0[ROWS], d1[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
     for (int64_t v = 0; v < 8; ++v) {
