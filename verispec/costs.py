@@ -345,7 +345,7 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
 
             quant = f"int4{kernel_key()[:8]}"
         if quant != "none" and _runs_amx(m):
-            quant += "-amx"  # the AMX kernels price a verified row at a fraction of the others'"
+            quant += "-amx"  # the AMX kernels price a verified row at a fraction of the others'
         params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0
         shape = f"{m.vocab_size}-{m.hidden_size}-{params}"
         return f"{m.name}-{shape}-{quant}-{m.device}{attention}".replace("/", "_")

@@ -89,6 +89,8 @@ def vector_isa(flags: str) -> str | None:
     "AMD EPYC" name covers machines with and without AVX-512, and the int8 and int4 paths run at
     about half the speed without it, so a report that omits it cannot be compared with another."""
     have = set(flags.split())
+    if {"avx512f", "avx512_vnni", "amx_tile", "amx_int8"} <= have:
+        return "avx512-vnni+amx"  # the int4 and int8 paths then verify on AMX tiles
     if {"avx512f", "avx512_vnni"} <= have:
         return "avx512-vnni"
     if "avx512f" in have:

@@ -74,6 +74,11 @@ class RowwiseInt8Linear(nn.Module):
     zero point are then the same for every call, the int8 products accumulate exactly in int32, and
     each row is rescaled by its own factor afterwards. The effect is per-token activation
     quantization (more accurate than per-tensor), batch-invariant to the bit.
+
+    On CPUs with AMX-INT8 the layer runs verispec's tile kernel instead (``int8_linear_amx``, the
+    same per-row symmetric 8-bit activations, exact int32 sums): on the 1.5B's LM head fbgemm takes
+    8.5 ms for 1 row and 13.9 for 8, the tiles 8.5 and 8.1 (13.3 for 32), which is what makes
+    verifying drafts cheap there.
     """
 
     def __init__(

@@ -16,6 +16,8 @@
 // forward costs ~44 / 64 / 104 / 190 ms at 1 / 4 / 8 / 16 rows (NOTES.md has the layouts tried).
 // Prompts (tens to hundreds of rows) take a second entry point, int4_linear_many, that unpacks the
 // weights once per call and runs them fbgemm-style: ~1.3-1.5x the decode kernel's rows per second.
+// On Intel CPUs with AMX-INT8 a third entry point, int4_linear_amx, takes every row instead (its own
+// weight layout, tile products; see its section): there 8 rows cost ~1.2x one row, not ~1.5x.
 //
 // Exact batch invariance: each output element (row m, channel n) is computed by one thread with
 // the same sequence of operations whatever the number of rows in the call and wherever row m sits,
