@@ -165,6 +165,8 @@ def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
         ({"limit_per_category": 0}, "--limit"),
         ({"warmup": -1}, "--warmup"),
         ({"depth": "deep"}, "--depth-policy"),
+        ({"tree_nodes": 0}, "--tree-nodes"),
+        ({"tree_width": 0}, "--tree-width"),
     ],
 )
 def test_settings_reject_bad_values_before_loading_anything(kwargs, message):
@@ -345,3 +347,24 @@ def test_bench_with_the_adaptive_policy_runs_every_learned_method_losslessly(tmp
         assert len(records) == 2 and all(r["matches_reference"] for r in records), method
         assert sum(t["counts"]["drafted"] for r in records for t in r["turns"]) > 0, method  # it drafted
     assert results["failed"] == [] and results["lossless"] == {"checked": 6, "mismatches": 0}
+
+
+def test_bench_tree_flags_set_the_eagle_tree_budget(tmp_path, restore_torch_threads):
+    """--tree-nodes / --tree-width reach the heads' proposer: no step drafts more than the budget,
+    and a larger budget drafts more per target pass."""
+    per_pass = {}
+    for nodes in (3, 12):
+        out = tmp_path / f"results-{nodes}"
+        argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,eagle", "-k", "4",
+                "--tree-nodes", str(nodes), "--tree-width", "3", "--dataset", "humaneval", "--limit", "1",
+                "--max-new-tokens", "16", "--warmup", "0", "--threads", "1", "--out", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert (results["settings"]["tree_nodes"], results["settings"]["tree_width"]) == (nodes, 3)
+        (record,) = [r for r in results["records"] if r["method"] == "eagle"]
+        counts = record["turns"][0]["counts"]
+        assert record["matches_reference"] and counts["drafted"] > 0
+        assert counts["drafted"] <= nodes * counts["target_forward_passes"]
+        per_pass[nodes] = counts["drafted"] / counts["target_forward_passes"]
+        assert f"tree nodes {nodes}, tree width 3" in (out / "report.md").read_text()
+    assert per_pass[12] > per_pass[3]

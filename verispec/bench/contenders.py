@@ -90,6 +90,8 @@ def engine_contenders(
             ngram=settings.ngram,
             draft=DraftModelConfig(model=settings.draft if method == "draft" else None),
             depth=settings.depth,  # type: ignore[arg-type]  # fixed: each method at the k it is given
+            tree_nodes=settings.tree_nodes,
+            tree_width=settings.tree_width,
         )
         own_draft = draft if method == "draft" else None
         proposer = build_proposer(spec, target, own_draft)

@@ -43,6 +43,10 @@ class BenchSettings:
     measures the method itself; 'adaptive': the depth policy chooses per step, as served."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
     """N-gram sizes of the ``ngram`` proposer."""
+    tree_nodes: int | None = None
+    """Most tree nodes per step for the Medusa and EAGLE methods (None: the heads' default)."""
+    tree_width: int | None = None
+    """Candidates per tree level for the Medusa and EAGLE methods (None: the heads' default)."""
     prompt_lookup_tokens: int = 10
     """Draft length of the prompt-lookup baselines (transformers and llama.cpp)."""
     datasets: tuple[str, ...] = ("humaneval",)
@@ -89,6 +93,8 @@ class BenchSettings:
             (self.warmup, "--warmup", 0),
             (self.prompt_lookup_tokens, "--prompt-lookup-tokens", 1),
             (self.limit_per_category, "--limit", 1),
+            (self.tree_nodes, "--tree-nodes", 1),
+            (self.tree_width, "--tree-width", 1),
         ):
             if value is not None and value < low:
                 raise VerispecError(f"{flag} must be >= {low}, got {value}")
