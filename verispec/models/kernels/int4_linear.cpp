@@ -472,6 +472,70 @@ void dispatch_wide(int64_t rows, Args... args) {
 
 #endif
 
+// What every entry point does before its products: check x against the weight's Kp inputs, quantize
+// the activations per row (quantize_rows), allocate the output and take the bias as float32.
+struct Rows {
+  int64_t M = 0;
+  std::vector<int64_t> out_shape;
+  at::Tensor y, bias;
+  const float* bptr = nullptr;
+  std::vector<int8_t> q;
+  std::vector<float> xs, gsum;
+};
+
+Rows prepare_rows(const char* op, const at::Tensor& x, int64_t Kp, int64_t N, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K <= Kp && K > Kp - kGroup, op, ": x has ", K, " features, the weight ", Kp);
+  Rows r;
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  r.M = xc.size(0);
+  r.out_shape.assign(x.sizes().begin(), x.sizes().end());
+  r.out_shape.back() = N;
+  r.y = at::empty({r.M, N}, x.options());
+  if (bias.has_value() && bias->defined()) {
+    r.bias = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(r.bias.numel() == N, op, ": bias must have ", N, " elements");
+    r.bptr = r.bias.data_ptr<float>();
+  }
+  if (r.M == 0) return r;
+  r.q.resize(r.M * Kp);
+  r.xs.resize(r.M);
+  r.gsum.resize(r.M * (Kp / kGroup));
+  quantize_rows(xc.data_ptr<float>(), r.M, K, Kp, r.q.data(), r.xs.data(), r.gsum.data());
+  return r;
+}
+
+// An int4 weight in either layout, checked: `cols` channels per row of `weight` (a VNNI block of 4,
+// an AMX tile of 16), cols * kGroup / 2 packed bytes per row and group, float16 scales and offsets.
+struct Int4Weights {
+  at::Tensor wc, sc, oc;
+  const uint8_t* w = nullptr;
+  const uint16_t *ws = nullptr, *wo = nullptr;
+  int64_t units = 0, groups = 0, Kp = 0;
+};
+
+Int4Weights int4_weights(const char* op, const at::Tensor& weight, const at::Tensor& scales,
+                         const at::Tensor& offsets, int64_t N, int64_t cols) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, op, ": weight must be uint8 [N / ", cols,
+              ", groups * ", cols * kGroup / 2, "]");
+  Int4Weights p;
+  p.units = weight.size(0);
+  TORCH_CHECK(p.units == (N + cols - 1) / cols, op, ": ", p.units, " weight rows for ", N, " outputs");
+  p.groups = weight.size(1) / (cols * kGroup / 2);
+  p.Kp = p.groups * kGroup;
+  const int64_t count = p.units * p.groups * cols;
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == count, op, ": bad scales");
+  TORCH_CHECK(offsets.scalar_type() == at::kHalf && offsets.numel() == count, op, ": bad offsets");
+  p.wc = weight.contiguous();
+  p.sc = scales.contiguous();
+  p.oc = offsets.contiguous();
+  p.w = p.wc.data_ptr<uint8_t>();
+  p.ws = reinterpret_cast<const uint16_t*>(p.sc.data_ptr<at::Half>());
+  p.wo = reinterpret_cast<const uint16_t*>(p.oc.data_ptr<at::Half>());
+  return p;
+}
+
 #if VERISPEC_AMX
 // ---------------------------------------------------------------------------------------------
 // The AMX kernel (Intel CPUs with AMX-INT8: Sapphire Rapids and later). Where the VNNI decode
@@ -495,7 +559,7 @@ constexpr int64_t kAmxCols = 16;  // output channels per tile
 constexpr int64_t kAmxRows = 16;  // activation rows per tile product
 constexpr int64_t kAmxGroupBytes = kAmxCols * kGroup / 2;  // 512: one tile's group, 4-bit
 constexpr int64_t kAmxB = kAmxCols * kGroup;  // 1024: the same group unpacked to a B tile
-constexpr int64_t kAmxPrefetch = 2048;
+constexpr int64_t kAmxPrefetch = 2048;  // bytes ahead in a tile's weight stream (1024-8192 tried: none better)
 
 // Linux hands out AMX's 8 KB of tile state only to processes that ask for it (once per process).
 bool amx_permitted() {
@@ -685,44 +749,18 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
                            const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                            int64_t out_features) {
   TORCH_CHECK(amx_permitted(), "int4_linear_amx: the kernel may not use AMX tiles in this process");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear_amx: x must be float32");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2,
-              "int4_linear_amx: weight must be uint8 [N / 16, groups * 512]");
   const int64_t N = out_features;
-  const int64_t tiles = weight.size(0);
-  TORCH_CHECK(tiles == (N + kAmxCols - 1) / kAmxCols, "int4_linear_amx: ", tiles, " tiles for ", N, " outputs");
-  const int64_t groups = weight.size(1) / kAmxGroupBytes;
-  const int64_t Kp = groups * kGroup;
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K <= Kp && K > Kp - kGroup, "int4_linear_amx: x has ", K, " features, the weight ", Kp);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == tiles * groups * kAmxCols,
-              "int4_linear_amx: bad scales");
-  TORCH_CHECK(offsets.scalar_type() == at::kHalf && offsets.numel() == tiles * groups * kAmxCols,
-              "int4_linear_amx: bad offsets");
-  const at::Tensor xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y.reshape(out_shape);
-
-  std::vector<int8_t> q(M * Kp);
-  std::vector<float> xs(M);
-  std::vector<float> gsum(M * groups);
-  quantize_rows(xc.data_ptr<float>(), M, K, Kp, q.data(), xs.data(), gsum.data());
-
-  const at::Tensor wc = weight.contiguous(), sc = scales.contiguous(), oc = offsets.contiguous();
-  at::Tensor bc;
-  const float* bptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bc.numel() == N, "int4_linear_amx: bias must have ", N, " elements");
-    bptr = bc.data_ptr<float>();
-  }
-  const uint8_t* w = wc.data_ptr<uint8_t>();
-  const auto* ws = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
-  const auto* wo = reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
+  const Int4Weights p = int4_weights("int4_linear_amx", weight, scales, offsets, N, kAmxCols);
+  const int64_t tiles = p.units, groups = p.groups, Kp = p.Kp;
+  const uint8_t* w = p.w;
+  const uint16_t *ws = p.ws, *wo = p.wo;
+  Rows rows_ = prepare_rows("int4_linear_amx", x, Kp, N, bias);
+  const int64_t M = rows_.M;
+  if (M == 0) return rows_.y.reshape(rows_.out_shape);
+  const std::vector<int8_t>& q = rows_.q;
+  const std::vector<float>&xs = rows_.xs, &gsum = rows_.gsum;
+  const float* bptr = rows_.bptr;
+  float* yp = rows_.y.data_ptr<float>();
   const bool many = M > kAmxRows;  // more than one tile of rows: unpack each channel tile once
   if (M <= kVnniRowsMax) {  // a few rows: VNNI products on the same layout, bit-identical (see there)
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -733,7 +771,7 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
         dispatch_vnni_rows(M, wt, st, ot, q.data(), xs.data(), gsum.data(), bptr, yp, nt * kAmxCols, int64_t{0}, N, Kp);
       }
     });
-    return y.reshape(out_shape);
+    return rows_.y.reshape(rows_.out_shape);
   }
   // Threads split the channel tiles only: which thread computes (m, n) never depends on M.
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -758,7 +796,7 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
     }
     if (configured) _tile_release();
   });
-  return y.reshape(out_shape);
+  return rows_.y.reshape(rows_.out_shape);
 }
 
 // int8 weights x int8 activations on AMX, for RowwiseInt8Linear (the LM head on the int4 path, every
@@ -814,7 +852,6 @@ void dispatch_amx_int8(int64_t rows, Args... args) {
 at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                            const std::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(amx_permitted(), "int8_linear_amx: the kernel may not use AMX tiles in this process");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "int8_linear_amx: x must be float32");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.dim() == 2,
               "int8_linear_amx: weight must be int8 [N / 16, Kp * 16]");
   const int64_t N = out_features;
@@ -822,33 +859,18 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(tiles == (N + kAmxCols - 1) / kAmxCols, "int8_linear_amx: ", tiles, " tiles for ", N, " outputs");
   const int64_t Kp = weight.size(1) / kAmxCols;
   TORCH_CHECK(Kp % kGroup == 0, "int8_linear_amx: the weight's inputs must be padded to ", kGroup);
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K <= Kp && K > Kp - kGroup, "int8_linear_amx: x has ", K, " features, the weight ", Kp);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == tiles * kAmxCols,
               "int8_linear_amx: bad scales");
-  const at::Tensor xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y.reshape(out_shape);
-
-  std::vector<int8_t> q(M * Kp);
-  std::vector<float> xs(M);
-  std::vector<float> gsum(M * (Kp / kGroup));  // unused here (symmetric weights)
-  quantize_rows(xc.data_ptr<float>(), M, K, Kp, q.data(), xs.data(), gsum.data());
-
+  Rows rows_ = prepare_rows("int8_linear_amx", x, Kp, N, bias);  // (its group sums go unused)
+  const int64_t M = rows_.M;
+  if (M == 0) return rows_.y.reshape(rows_.out_shape);
   const at::Tensor wc = weight.contiguous(), sc = scales.contiguous();
-  at::Tensor bc;
-  const float* bptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bc.numel() == N, "int8_linear_amx: bias must have ", N, " elements");
-    bptr = bc.data_ptr<float>();
-  }
   const int8_t* w = wc.data_ptr<int8_t>();
   const float* wsp = sc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const float* bptr = rows_.bptr;
+  const std::vector<int8_t>& q = rows_.q;
+  const std::vector<float>& xs = rows_.xs;
+  float* yp = rows_.y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     int64_t configured = 0;
     for (int64_t nt = t0; nt < t1; ++nt) {
@@ -864,7 +886,7 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
     }
     if (configured) _tile_release();
   });
-  return y.reshape(out_shape);
+  return rows_.y.reshape(rows_.out_shape);
 }
 
 #endif  // VERISPEC_AMX
@@ -881,44 +903,18 @@ bool int4_amx_ready() {
 at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                        int64_t out_features) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "int4_linear: x must be float32");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2,
-              "int4_linear: weight must be uint8 [N / 4, groups * 128]");
   const int64_t N = out_features;
-  const int64_t blocks = weight.size(0);
-  TORCH_CHECK(blocks == (N + kColBlock - 1) / kColBlock, "int4_linear: ", blocks, " blocks for ", N, " outputs");
-  const int64_t groups = weight.size(1) / kGroupBytes;
-  const int64_t Kp = groups * kGroup;
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K <= Kp && K > Kp - kGroup, "int4_linear: x has ", K, " features, the weight ", Kp);
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == blocks * groups * kColBlock,
-              "int4_linear: bad scales");
-  TORCH_CHECK(offsets.scalar_type() == at::kHalf && offsets.numel() == blocks * groups * kColBlock,
-              "int4_linear: bad offsets");
-  const at::Tensor xc = x.reshape({-1, K}).contiguous();
-  const int64_t M = xc.size(0);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y.reshape(out_shape);
-
-  std::vector<int8_t> q(M * Kp);
-  std::vector<float> xs(M);
-  std::vector<float> gsum(M * groups);
-  quantize_rows(xc.data_ptr<float>(), M, K, Kp, q.data(), xs.data(), gsum.data());
-
-  const at::Tensor wc = weight.contiguous(), sc = scales.contiguous(), oc = offsets.contiguous();
-  at::Tensor bc;
-  const float* bptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bc.numel() == N, "int4_linear: bias must have ", N, " elements");
-    bptr = bc.data_ptr<float>();
-  }
-  const uint8_t* w = wc.data_ptr<uint8_t>();
-  const auto* ws = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
-  const auto* wo = reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>());
-  float* yp = y.data_ptr<float>();
+  const Int4Weights p = int4_weights("int4_linear", weight, scales, offsets, N, kColBlock);
+  const int64_t blocks = p.units, groups = p.groups, Kp = p.Kp;
+  const uint8_t* w = p.w;
+  const uint16_t *ws = p.ws, *wo = p.wo;
+  Rows rows_ = prepare_rows("int4_linear", x, Kp, N, bias);
+  const int64_t M = rows_.M;
+  if (M == 0) return rows_.y.reshape(rows_.out_shape);
+  const std::vector<int8_t>& q = rows_.q;
+  const std::vector<float>&xs = rows_.xs, &gsum = rows_.gsum;
+  const float* bptr = rows_.bptr;
+  float* yp = rows_.y.data_ptr<float>();
 #if VERISPEC_AVX512
   if (many) {
     // Threads split the channel tiles; a row's outputs never depend on M or on the other rows.
@@ -935,7 +931,7 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
                         gsum.data(), bptr, yp, n0, nvalid, m0, N, Kp);
       }
     });
-    return y.reshape(out_shape);
+    return rows_.y.reshape(rows_.out_shape);
   }
 #endif  // with AVX2 only, prompt rows take the decode kernel below (bit-identical to decode rows)
   // Threads split the channel blocks only: which thread computes (m, n) never depends on M.
@@ -945,7 +941,7 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
         dispatch<kRowBlock>(std::min(kRowBlock, M - m0), w, ws, wo, q.data(), xs.data(), gsum.data(),
                             bptr, yp, nb, m0, N, Kp);
   });
-  return y.reshape(out_shape);
+  return rows_.y.reshape(rows_.out_shape);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
