@@ -36,8 +36,8 @@ MACHINE = {
 }  # fmt: skip
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {
-    "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram",
-    "prompt_lookup_tokens", "datasets", "categories", "limit_per_category", "seed", "data_dir",
+    "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram", "tree_nodes",
+    "tree_width", "prompt_lookup_tokens", "datasets", "categories", "limit_per_category", "seed", "data_dir",
     "max_new_tokens", "warmup", "load", "categories_by_dataset", "warmup_prompt", "decoding",
 }  # fmt: skip
 RECORD = {
