@@ -599,6 +599,37 @@ inline void amx_unpack(const uint8_t* src, uint8_t* dst) {
   }
 }
 
+// The float part both AMX-layout paths share, so that their results are the same to the bit: fold
+// group g's exact int32 sums (sum_of(r): row m0 + r's 16 channels) into the accumulators, then write
+// y = scale_m * acc + bias for the tile's valid channels.
+template <int64_t ROWS, typename SumOf>
+inline void fold_group(__m512* acc, SumOf sum_of, const uint16_t* st, const uint16_t* ot, const float* gsum,
+                       int64_t groups, int64_t m0, int64_t g) {
+  const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + g * kAmxCols)));
+  const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ot + g * kAmxCols)));
+  for (int64_t r = 0; r < ROWS; ++r) {
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_of(r)), s, acc[r]);
+    acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(gsum[(m0 + r) * groups + g]), acc[r]);
+  }
+}
+
+template <int64_t ROWS>
+inline void store_rows(const __m512* acc, const float* xs, const float* bias, float* y, int64_t n0, int64_t m0,
+                       int64_t N) {
+  const int64_t valid = std::min<int64_t>(kAmxCols, N - n0);
+  const __mmask16 tail = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
+  const __m512 b16 = bias != nullptr ? _mm512_maskz_loadu_ps(tail, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < ROWS; ++r) {
+    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(xs[m0 + r]), acc[r]);
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, tail, bias != nullptr ? _mm512_add_ps(v, b16) : v);
+  }
+}
+// One group's 8 lines of 4-bit weights, kAmxPrefetch bytes ahead of group g.
+inline void prefetch_group(const uint8_t* wt, int64_t g) {
+  for (int64_t line = 0; line < kAmxGroupBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(wt + g * kAmxGroupBytes + kAmxPrefetch + line), _MM_HINT_T0);
+}
+
 // Rows [m0, m0 + ROWS) against channel tile nt (tiles must be configured for ROWS rows). B is the
 // tile's groups unpacked (prefill: once per call, [group][1024]) or nullptr to unpack each group
 // into `ring` as it comes (decode: the bytes stay in L1).
@@ -611,12 +642,8 @@ void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const auto epilogue = [&](const int32_t* sums, int64_t g) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + g * kAmxCols)));
-    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ot + g * kAmxCols)));
-    for (int64_t r = 0; r < ROWS; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kAmxCols)), s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(gsum[(m0 + r) * groups + g]), acc[r]);
-    }
+    fold_group<ROWS>(acc, [&](int64_t r) { return _mm512_load_si512(sums + r * kAmxCols); }, st, ot, gsum, groups,
+                     m0, g);
   };
   // Software-pipelined over pairs of groups: the next pair is unpacked (into the other half of a
   // 4-slot ring) while this pair's products run, and a pair's sums are folded in after the next
@@ -628,8 +655,7 @@ void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t
   };
   const auto unpack = [&](int64_t g) {
     if (B != nullptr || g >= groups) return;
-    for (int64_t line = 0; line < kAmxGroupBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(wt + g * kAmxGroupBytes + kAmxPrefetch + line), _MM_HINT_T0);
+    prefetch_group(wt, g);
     amx_unpack(wt + g * kAmxGroupBytes, ring + (g & 3) * kAmxB);
   };
   const int8_t* a = q + m0 * Kp;
@@ -661,19 +687,13 @@ void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t
       if (g + 1 < groups) _tile_stored(3, now + ROWS * kAmxCols, 64);
     }
   }
-  const int64_t valid = std::min<int64_t>(kAmxCols, N - n0);
-  const __mmask16 tail = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
-  const __m512 b16 = bias != nullptr ? _mm512_maskz_loadu_ps(tail, bias + n0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < ROWS; ++r) {
-    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(xs[m0 + r]), acc[r]);
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, tail, bias != nullptr ? _mm512_add_ps(v, b16) : v);
-  }
+  store_rows<ROWS>(acc, xs, bias, y, n0, m0, N);
 }
 
 // A few rows (decoding one token, verifying one or two drafts) through the AMX layout with VNNI
 // products instead of tiles: no unpacked bytes stored and loaded again, and no tile latencies,
 // which is faster at 1-2 rows. Row m's dword c sums channel c's products over the group's 16 input
-// quads exactly (two int32 chains added), then takes the same float operations in the same order as
+// quads exactly (two int32 chains added), then goes through the same fold_group and store_rows as
 // amx_rows: the results are bit-identical to the tile path's, so the two mix freely.
 template <int64_t ROWS>
 void amx_layout_vnni_rows(const uint8_t* wt, const uint16_t* st, const uint16_t* ot, const int8_t* q,
@@ -685,14 +705,7 @@ void amx_layout_vnni_rows(const uint8_t* wt, const uint16_t* st, const uint16_t*
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = wt + g * kAmxGroupBytes;
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 256), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 320), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 384), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wg + kAmxPrefetch + 448), _MM_HINT_T0);
+    prefetch_group(wt, g);
     __m512i d0[ROWS], d1[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
     for (int64_t v = 0; v < 8; ++v) {
@@ -708,20 +721,9 @@ void amx_layout_vnni_rows(const uint8_t* wt, const uint16_t* st, const uint16_t*
         d1[r] = _mm512_dpbusd_epi32(d1[r], hi, _mm512_set1_epi32(hi4));
       }
     }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + g * kAmxCols)));
-    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ot + g * kAmxCols)));
-    for (int64_t r = 0; r < ROWS; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0[r], d1[r])), s, acc[r]);
-      acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(gsum[(m0 + r) * groups + g]), acc[r]);
-    }
+    fold_group<ROWS>(acc, [&](int64_t r) { return _mm512_add_epi32(d0[r], d1[r]); }, st, ot, gsum, groups, m0, g);
   }
-  const int64_t valid = std::min<int64_t>(kAmxCols, N - n0);
-  const __mmask16 tail = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
-  const __m512 b16 = bias != nullptr ? _mm512_maskz_loadu_ps(tail, bias + n0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < ROWS; ++r) {
-    const __m512 v = _mm512_mul_ps(_mm512_set1_ps(xs[m0 + r]), acc[r]);
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, tail, bias != nullptr ? _mm512_add_ps(v, b16) : v);
-  }
+  store_rows<ROWS>(acc, xs, bias, y, n0, m0, N);
 }
 
 // Up to 5 rows the VNNI products beat the tiles' fixed cost per group (unpacking, tile loads and
@@ -752,26 +754,21 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t N = out_features;
   const Int4Weights p = int4_weights("int4_linear_amx", weight, scales, offsets, N, kAmxCols);
   const int64_t tiles = p.units, groups = p.groups, Kp = p.Kp;
-  const uint8_t* w = p.w;
-  const uint16_t *ws = p.ws, *wo = p.wo;
-  Rows rows_ = prepare_rows("int4_linear_amx", x, Kp, N, bias);
-  const int64_t M = rows_.M;
-  if (M == 0) return rows_.y.reshape(rows_.out_shape);
-  const std::vector<int8_t>& q = rows_.q;
-  const std::vector<float>&xs = rows_.xs, &gsum = rows_.gsum;
-  const float* bptr = rows_.bptr;
-  float* yp = rows_.y.data_ptr<float>();
+  Rows r = prepare_rows("int4_linear_amx", x, Kp, N, bias);
+  const int64_t M = r.M;
+  if (M == 0) return r.y.reshape(r.out_shape);
+  const int8_t* q = r.q.data();
+  const float *xs = r.xs.data(), *gsum = r.gsum.data();
+  float* yp = r.y.data_ptr<float>();
   const bool many = M > kAmxRows;  // more than one tile of rows: unpack each channel tile once
   if (M <= kVnniRowsMax) {  // a few rows: VNNI products on the same layout, bit-identical (see there)
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t nt = t0; nt < t1; ++nt) {
-        const uint8_t* wt = w + nt * groups * kAmxGroupBytes;
-        const uint16_t* st = ws + nt * groups * kAmxCols;
-        const uint16_t* ot = wo + nt * groups * kAmxCols;
-        dispatch_vnni_rows(M, wt, st, ot, q.data(), xs.data(), gsum.data(), bptr, yp, nt * kAmxCols, int64_t{0}, N, Kp);
+        dispatch_vnni_rows(M, p.w + nt * groups * kAmxGroupBytes, p.ws + nt * groups * kAmxCols,
+                           p.wo + nt * groups * kAmxCols, q, xs, gsum, r.bptr, yp, nt * kAmxCols, int64_t{0}, N, Kp);
       }
     });
-    return rows_.y.reshape(rows_.out_shape);
+    return r.y.reshape(r.out_shape);
   }
   // Threads split the channel tiles only: which thread computes (m, n) never depends on M.
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -781,7 +778,7 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
                       : nullptr;
     int64_t configured = 0;
     for (int64_t nt = t0; nt < t1; ++nt) {
-      const uint8_t* wt = w + nt * groups * kAmxGroupBytes;
+      const uint8_t* wt = p.w + nt * groups * kAmxGroupBytes;
       if (many)
         for (int64_t g = 0; g < groups; ++g) amx_unpack(wt + g * kAmxGroupBytes, B + g * kAmxB);
       for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
@@ -790,13 +787,13 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
           amx_configure(rows);
           configured = rows;
         }
-        dispatch_amx(rows, wt, B, ring, ws + nt * groups * kAmxCols, wo + nt * groups * kAmxCols, q.data(),
-                     xs.data(), gsum.data(), bptr, yp, nt * kAmxCols, m0, N, Kp);
+        dispatch_amx(rows, wt, B, ring, p.ws + nt * groups * kAmxCols, p.wo + nt * groups * kAmxCols, q, xs, gsum,
+                     r.bptr, yp, nt * kAmxCols, m0, N, Kp);
       }
     }
     if (configured) _tile_release();
   });
-  return rows_.y.reshape(rows_.out_shape);
+  return r.y.reshape(r.out_shape);
 }
 
 // int8 weights x int8 activations on AMX, for RowwiseInt8Linear (the LM head on the int4 path, every
@@ -861,16 +858,13 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(Kp % kGroup == 0, "int8_linear_amx: the weight's inputs must be padded to ", kGroup);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == tiles * kAmxCols,
               "int8_linear_amx: bad scales");
-  Rows rows_ = prepare_rows("int8_linear_amx", x, Kp, N, bias);  // (its group sums go unused)
-  const int64_t M = rows_.M;
-  if (M == 0) return rows_.y.reshape(rows_.out_shape);
+  Rows r = prepare_rows("int8_linear_amx", x, Kp, N, bias);  // (its group sums go unused)
+  const int64_t M = r.M;
+  if (M == 0) return r.y.reshape(r.out_shape);
   const at::Tensor wc = weight.contiguous(), sc = scales.contiguous();
   const int8_t* w = wc.data_ptr<int8_t>();
   const float* wsp = sc.data_ptr<float>();
-  const float* bptr = rows_.bptr;
-  const std::vector<int8_t>& q = rows_.q;
-  const std::vector<float>& xs = rows_.xs;
-  float* yp = rows_.y.data_ptr<float>();
+  float* yp = r.y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     int64_t configured = 0;
     for (int64_t nt = t0; nt < t1; ++nt) {
@@ -880,13 +874,13 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
           amx_configure(rows);
           configured = rows;
         }
-        dispatch_amx_int8(rows, w + nt * Kp * kAmxCols, wsp + nt * kAmxCols, q.data(), xs.data(), bptr, yp,
+        dispatch_amx_int8(rows, w + nt * Kp * kAmxCols, wsp + nt * kAmxCols, r.q.data(), r.xs.data(), r.bptr, yp,
                           nt * kAmxCols, m0, N, Kp);
       }
     }
     if (configured) _tile_release();
   });
-  return rows_.y.reshape(rows_.out_shape);
+  return r.y.reshape(r.out_shape);
 }
 
 #endif  // VERISPEC_AMX
@@ -906,15 +900,14 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
   const int64_t N = out_features;
   const Int4Weights p = int4_weights("int4_linear", weight, scales, offsets, N, kColBlock);
   const int64_t blocks = p.units, groups = p.groups, Kp = p.Kp;
+  Rows r = prepare_rows("int4_linear", x, Kp, N, bias);
+  const int64_t M = r.M;
+  if (M == 0) return r.y.reshape(r.out_shape);
   const uint8_t* w = p.w;
   const uint16_t *ws = p.ws, *wo = p.wo;
-  Rows rows_ = prepare_rows("int4_linear", x, Kp, N, bias);
-  const int64_t M = rows_.M;
-  if (M == 0) return rows_.y.reshape(rows_.out_shape);
-  const std::vector<int8_t>& q = rows_.q;
-  const std::vector<float>&xs = rows_.xs, &gsum = rows_.gsum;
-  const float* bptr = rows_.bptr;
-  float* yp = rows_.y.data_ptr<float>();
+  const int8_t* q = r.q.data();
+  const float *xs = r.xs.data(), *gsum = r.gsum.data(), *bptr = r.bptr;
+  float* yp = r.y.data_ptr<float>();
 #if VERISPEC_AVX512
   if (many) {
     // Threads split the channel tiles; a row's outputs never depend on M or on the other rows.
@@ -927,21 +920,20 @@ at::Tensor int4_linear_impl(bool many, const at::Tensor& x, const at::Tensor& we
         unpack_tile(w, ws, wo, b0, nblk, groups, W.data(), S.data(), O.data());
         const int64_t n0 = b0 * kColBlock, nvalid = std::min<int64_t>(kTile, N - n0);
         for (int64_t m0 = 0; m0 < M; m0 += kWideRows)
-          dispatch_wide(std::min(kWideRows, M - m0), W.data(), S.data(), O.data(), q.data(), xs.data(),
-                        gsum.data(), bptr, yp, n0, nvalid, m0, N, Kp);
+          dispatch_wide(std::min(kWideRows, M - m0), W.data(), S.data(), O.data(), q, xs, gsum, bptr, yp, n0,
+                        nvalid, m0, N, Kp);
       }
     });
-    return rows_.y.reshape(rows_.out_shape);
+    return r.y.reshape(r.out_shape);
   }
 #endif  // with AVX2 only, prompt rows take the decode kernel below (bit-identical to decode rows)
   // Threads split the channel blocks only: which thread computes (m, n) never depends on M.
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
       for (int64_t m0 = 0; m0 < M; m0 += kRowBlock)
-        dispatch<kRowBlock>(std::min(kRowBlock, M - m0), w, ws, wo, q.data(), xs.data(), gsum.data(),
-                            bptr, yp, nb, m0, N, Kp);
+        dispatch<kRowBlock>(std::min(kRowBlock, M - m0), w, ws, wo, q, xs, gsum, bptr, yp, nb, m0, N, Kp);
   });
-  return rows_.y.reshape(rows_.out_shape);
+  return r.y.reshape(r.out_shape);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
