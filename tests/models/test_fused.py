@@ -51,6 +51,24 @@ def test_int4_channels_padded_inside_the_group_are_not_fused():
     assert isinstance(parent.k_proj, Int4Linear)
 
 
+@pytest.mark.skipif(not int4.amx_available(), reason="the AMX kernels need a CPU with AMX-INT8")
+def test_int4_amx_layers_fuse_in_their_own_layout_where_their_tiles_line_up():
+    """AMX layers are concatenated as they are (no round trip through the VNNI layout); a layer
+    that is not a whole number of 16-channel tiles is not fused inside, one that is may be, and the
+    fused product equals the separate ones to the bit."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(int4.AMX_ENV, "1")
+        padded = _attention(Int4Linear, (64, 36, 32), (False, False, False))  # 36: whole VNNI blocks only
+        aligned = _attention(Int4Linear, (64, 48, 36), (True, False, True))
+    assert fuse_projections(padded) == 0
+    separate = copy.deepcopy(aligned)
+    assert fuse_projections(aligned) == 1
+    assert aligned.qkv_proj.linear.amx
+    x = torch.randn(5, 96)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert torch.equal(getattr(aligned, name)(x), getattr(separate, name)(x)), name
+
+
 def test_mixed_kinds_are_not_fused():
     parent = _attention(RowwiseInt8Linear, (64, 32, 32), (False, False, False))
     parent.v_proj = nn.Linear(96, 32)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verispec.models.int4 import COLS, Int4Linear
+from verispec.models.int4 import Int4Linear
 from verispec.models.quant import RowwiseInt8Linear
 
 GROUPS = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
@@ -110,8 +110,10 @@ def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
     if kinds == {RowwiseInt8Linear}:
         weights, scales = zip(*(m.int8_parts() for m in members), strict=True)  # type: ignore[arg-type]
         return RowwiseInt8Linear(torch.cat(weights), torch.cat(scales), bias)
-    if any(m.out_features % COLS for m in members[:-1]):  # type: ignore[union-attr]
-        return None  # a padded block inside the fused int4 weight would shift the later channels
-    parts = [torch.cat(p) for p in zip(*(m.parts() for m in members), strict=True)]  # type: ignore[union-attr]
+    amx = {m.amx for m in members}  # type: ignore[union-attr]
+    if len(amx) != 1 or any(m.out_features % m.cols for m in members[:-1]):  # type: ignore[union-attr]
+        return None  # a padded block or tile inside the fused weight would shift the later channels
+    parts = [torch.cat([getattr(m, a) for m in members]) for a in ("packed", "scales", "offsets")]
     shape = (sum(m.out_features for m in members), members[0].in_features)  # type: ignore[union-attr]
-    return Int4Linear(*parts, bias, shape)
+    (on_amx,) = amx
+    return Int4Linear(*parts, bias, shape, amx=on_amx, repacked=on_amx)  # each in its own layout, as it is

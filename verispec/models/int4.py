@@ -245,18 +245,23 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         shape: tuple[int, int],
         amx: bool | None = None,
+        *,
+        repacked: bool = False,
     ) -> None:
         """``packed, scales, offsets``: :func:`quantize_weight`'s (VNNI) layout, kept as it is or
-        repacked for the AMX kernel (``amx``; None: :func:`uses_amx`). ``shape``: the float
+        repacked for the AMX kernel (``amx``; None: :func:`uses_amx`), or with ``repacked`` already
+        in the AMX layout (fusion concatenates AMX layers as they are). ``shape``: the float
         weight's [out_features, in_features]."""
         super().__init__()
         ensure_kernel()
         self.amx = uses_amx() if amx is None else amx
         if self.amx and not amx_available():
             raise VerispecError("the int4 AMX kernel is not available on this CPU or in this process")
+        if repacked and not self.amx:
+            raise VerispecError("parts in the AMX layout need amx=True")
         self.out_features, self.in_features = shape
         parts = (packed.contiguous(), scales.half().contiguous(), offsets.half().contiguous())
-        self.packed, self.scales, self.offsets = to_amx_layout(*parts) if self.amx else parts
+        self.packed, self.scales, self.offsets = to_amx_layout(*parts) if self.amx and not repacked else parts
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     @classmethod
@@ -264,6 +269,11 @@ class Int4Linear(nn.Module):
         return cls(
             *quantize_weight(linear.weight), linear.bias, (linear.out_features, linear.in_features), amx
         )
+
+    @property
+    def cols(self) -> int:
+        """Output channels per row of :attr:`packed` (a VNNI block or an AMX tile)."""
+        return AMX_COLS if self.amx else COLS
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed, scales, offsets) in :func:`quantize_weight`'s layout, whichever kernel runs."""
