@@ -38,14 +38,16 @@ import torch
 
 from verispec.models.base import CausalLM
 
-TARGET_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
+TARGET_TOKENS = (1, 2, 4, 8, 16, 17, 32, 33, 64, 128)
+"""17 and 33: on AMX a token past a whole tile of 16 rows, or a pass of 32, adds a step to the cost
+(the 1.5B int4: 73 ms at 16 tokens, 88 at 17) that a line from 16 to 32 would hide from the policy."""
 DRAFT_ROWS = (1, 2, 4, 8, 16)
 PREFILL_TOKENS = (1, 16, 128, 512)
 _ROW_WIDTH = 8  # the target curve's batches are rows of up to this many tokens, as verify steps are
 CATCH_UP_HORIZON = 16
 """Steps a draft model's catch-up cost is spread over when the request's remaining length is not
 known (see :meth:`StepCostModel.draft_catch_up_seconds`)."""
-_COSTS_VERSION = 3  # bumped when the cached curves change meaning or gain one: older files are measured again
+_COSTS_VERSION = 4  # bumped when the cached curves change meaning or gain one: older files are measured again
 _MAX_OWN_SCALE = 64
 """Token counts up to this keep their own correction; larger batches share the global one."""
 

@@ -73,16 +73,18 @@ def test_kernel_matches_its_dequantized_weights(n, k, bias, kernel, rows):
 @pytest.mark.parametrize("amx", AMX_MODES)
 def test_kernel_is_batch_invariant_to_the_bit(restore_torch_threads, amx):
     """A row's output is the same alone, in any prefix, at any position and at any thread count
-    (on AMX: through VNNI products up to 5 rows, one tile of 16, or several tiles)."""
+    (on AMX: through VNNI products up to 5 rows, one tile of 16, a pass of two tiles (17-32 rows),
+    or passes of 32 over tiles unpacked once, with a tail of 1-16 rows)."""
     q = Int4Linear.from_linear(_linear(100, 200, seed=1), amx=amx)
-    rows = torch.randn(19, 200) * torch.logspace(-3, 3, 19)[:, None]  # wildly different magnitudes
+    total = 75
+    rows = torch.randn(total, 200) * torch.logspace(-3, 3, total)[:, None]  # wildly different magnitudes
     together = q(rows)
-    for m in range(1, 20):
+    for m in range(1, total + 1):
         assert torch.equal(q(rows[:m]), together[:m])
         assert torch.equal(q(rows[-m:]), together[-m:])
-    assert torch.equal(torch.cat([q(rows[i : i + 1]) for i in range(19)]), together)
+    assert torch.equal(torch.cat([q(rows[i : i + 1]) for i in range(total)]), together)
     assert torch.equal(q(rows.flip(0)), together.flip(0))
-    assert torch.equal(q(rows.view(1, 19, 200))[0], together)
+    assert torch.equal(q(rows.view(1, total, 200))[0], together)
     torch.set_num_threads(1)  # the fixture gives the session its thread count back
     assert torch.equal(q(rows), together)
 

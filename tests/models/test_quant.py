@@ -104,16 +104,16 @@ def test_int8_where_it_cannot_run_is_a_clear_error(device, dtype):
 
 @pytest.mark.parametrize("amx", AMX_MODES)
 def test_rowwise_int8_linear_is_batch_invariant_to_the_bit(amx):
-    """A token's output must not depend on the tokens verified beside it (else greedy drifts); 40
-    rows: more than one AMX tile of 16 rows."""
+    """A token's output must not depend on the tokens verified beside it (else greedy drifts); 70
+    rows: on AMX one tile of 16 rows, a pass of two (17-32), passes of 32 with a tail."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(100, 70)
     quantized = RowwiseInt8Linear(*RowwiseInt8Linear.quantize_weight(linear), linear.bias, amx=amx)
-    rows = torch.randn(40, 100) * torch.logspace(-3, 3, 40)[:, None]  # wildly different magnitudes
+    rows = torch.randn(70, 100) * torch.logspace(-3, 3, 70)[:, None]  # wildly different magnitudes
     together = quantized(rows)
-    alone = torch.cat([quantized(rows[i : i + 1]) for i in range(40)])
+    alone = torch.cat([quantized(rows[i : i + 1]) for i in range(70)])
     assert torch.equal(together, alone)
-    for m in (5, 16, 17):
+    for m in (5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65):
         assert torch.equal(quantized(rows[-m:]), together[-m:])
     reference = linear(rows)
     assert ((together - reference).norm(dim=-1) / reference.norm(dim=-1)).max() < 0.05

@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -58,6 +59,18 @@
 #endif
 
 namespace {
+
+#if VERISPEC_AMX
+// f(std::integral_constant<int64_t, n>{}) for a run-time n in 1..MAX: the AMX kernels are templates
+// over their row counts (unrolled loops, accumulators in registers).
+template <int64_t MAX, typename F>
+void with_count(int64_t n, F&& f) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return with_count<MAX - 1>(n, f);
+  }
+  f(std::integral_constant<int64_t, MAX>{});
+}
+#endif
 
 constexpr int64_t kGroup = 64;
 // Activation rows per pass over a weight block: what the accumulators leave of the vector
@@ -483,7 +496,10 @@ struct Rows {
   std::vector<float> xs, gsum;
 };
 
-Rows prepare_rows(const char* op, const at::Tensor& x, int64_t Kp, int64_t N, const std::optional<at::Tensor>& bias) {
+// `pad_rows`: q gets zero rows up to a multiple of it, so that tile loads of whole 16-row tiles
+// stay inside it (the sums of the padding rows are computed and never stored).
+Rows prepare_rows(const char* op, const at::Tensor& x, int64_t Kp, int64_t N, const std::optional<at::Tensor>& bias,
+                  int64_t pad_rows = 1) {
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
   const int64_t K = x.size(-1);
   TORCH_CHECK(K <= Kp && K > Kp - kGroup, op, ": x has ", K, " features, the weight ", Kp);
@@ -499,7 +515,7 @@ Rows prepare_rows(const char* op, const at::Tensor& x, int64_t Kp, int64_t N, co
     r.bptr = r.bias.data_ptr<float>();
   }
   if (r.M == 0) return r;
-  r.q.resize(r.M * Kp);
+  r.q.assign((r.M + pad_rows - 1) / pad_rows * pad_rows * Kp, 0);
   r.xs.resize(r.M);
   r.gsum.resize(r.M * (Kp / kGroup));
   quantize_rows(xc.data_ptr<float>(), r.M, K, Kp, r.q.data(), r.xs.data(), r.gsum.data());
@@ -587,6 +603,9 @@ void amx_configure(int64_t rows) {
     c.rows[t + 2] = 16;
     c.colsb[t + 2] = 64;
   }
+  // GCC does not treat ldtilecfg as reading its operand: compiled out of line, the stores above
+  // were dropped as dead and every tile was configured empty (SIGILL at the first tile load).
+  asm volatile("" : : "r"(&c) : "memory");
   _tile_loadconfig(&c);
 }
 
@@ -630,11 +649,18 @@ inline void prefetch_group(const uint8_t* wt, int64_t g) {
     _mm_prefetch(reinterpret_cast<const char*>(wt + g * kAmxGroupBytes + kAmxPrefetch + line), _MM_HINT_T0);
 }
 
-// Rows [m0, m0 + ROWS) against channel tile nt (tiles must be configured for ROWS rows). B is the
-// tile's groups unpacked (prefill: once per call, [group][1024]) or nullptr to unpack each group
-// into `ring` as it comes (decode: the bytes stay in L1).
+// Group g of a channel tile's weights unpacked into slot g % 4 of the L1 ring (past the last group:
+// nothing).
+inline void amx_ring_unpack(const uint8_t* wt, uint8_t* ring, int64_t groups, int64_t g) {
+  if (g >= groups) return;
+  prefetch_group(wt, g);
+  amx_unpack(wt + g * kAmxGroupBytes, ring + (g & 3) * kAmxB);
+}
+
+// Rows [m0, m0 + ROWS) against channel tile nt (tiles must be configured for ROWS rows), each
+// group unpacked into `ring` as it comes (the bytes stay in L1).
 template <int64_t ROWS>
-void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t* st, const uint16_t* ot,
+void amx_rows(const uint8_t* wt, uint8_t* ring, const uint16_t* st, const uint16_t* ot,
               const int8_t* q, const float* xs, const float* gsum, const float* bias, float* y, int64_t n0,
               int64_t m0, int64_t N, int64_t Kp) {
   const int64_t groups = Kp / kGroup;
@@ -649,15 +675,8 @@ void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t
   // 4-slot ring) while this pair's products run, and a pair's sums are folded in after the next
   // pair's products are issued, so the tile loads never wait on just-stored bytes and the stores
   // of C overlap other work. Each row still takes its groups in order.
-  const auto b_of = [&](int64_t g) -> const uint8_t* {
-    if (B != nullptr) return B + g * kAmxB;
-    return ring + (g & 3) * kAmxB;
-  };
-  const auto unpack = [&](int64_t g) {
-    if (B != nullptr || g >= groups) return;
-    prefetch_group(wt, g);
-    amx_unpack(wt + g * kAmxGroupBytes, ring + (g & 3) * kAmxB);
-  };
+  const auto b_of = [&](int64_t g) -> const uint8_t* { return ring + (g & 3) * kAmxB; };
+  const auto unpack = [&](int64_t g) { amx_ring_unpack(wt, ring, groups, g); };
   const int8_t* a = q + m0 * Kp;
   unpack(0);
   unpack(1);
@@ -688,6 +707,65 @@ void amx_rows(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t
     }
   }
   store_rows<ROWS>(acc, xs, bias, y, n0, m0, N);
+}
+
+// Two tiles of rows, [m0, m0 + R0) and [m0 + 16, m0 + 16 + R1) (R1 = 0: the first only), against
+// channel tile nt in one pass over the groups: each group's B tile is unpacked and loaded once for
+// both, where one pass per tile of rows paid the unpacking, the B load and the loop again (17 rows
+// cost 1.5x 16 rows; a token tree of 16 drafts plus its root is 17). Tiles are configured for 16
+// rows throughout (amx_configure(16)) and read whole 16-row tiles of activations: q is padded with
+// zero rows (prepare_rows' pad_rows), whose sums are never stored. Steps of one group: this group's
+// products are issued, then the previous group's sums are folded in, then this group's stored. The
+// float work per row is fold_group and store_rows, as in amx_rows: bit-identical results. B: the
+// channel tile's groups unpacked once per call (more than 64 rows), or nullptr to unpack each group
+// into `ring` as it comes.
+template <int64_t R0, int64_t R1>
+void amx_row_pair(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint16_t* st, const uint16_t* ot,
+                  const int8_t* q, const float* xs, const float* gsum, const float* bias, float* y, int64_t n0,
+                  int64_t m0, int64_t N, int64_t Kp) {
+  static_assert(R0 >= 1 && R0 <= kAmxRows && R1 >= 0 && R1 <= kAmxRows && (R1 == 0 || R0 == kAmxRows));
+  const int64_t groups = Kp / kGroup;
+  alignas(64) int32_t c[2][2 * kAmxRows * kAmxCols];  // [group parity][tile of rows][row][channel]
+  __m512 acc0[R0], acc1[R1 > 0 ? R1 : 1];
+  for (int64_t r = 0; r < R0; ++r) acc0[r] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < R1; ++r) acc1[r] = _mm512_setzero_ps();
+  const auto b_of = [&](int64_t g) -> const uint8_t* { return B != nullptr ? B + g * kAmxB : ring + (g & 3) * kAmxB; };
+  const auto unpack = [&](int64_t g) {
+    if (B == nullptr) amx_ring_unpack(wt, ring, groups, g);
+  };
+  const int8_t* a0 = q + m0 * Kp;
+  const int8_t* a1 = a0 + kAmxRows * Kp;
+  unpack(0);
+  unpack(1);
+  for (int64_t g = 0; g <= groups; ++g) {
+    int32_t* now = c[g & 1];
+    const int32_t* before = c[(g + 1) & 1];
+    if (g < groups) {
+      _tile_loadd(2, b_of(g), 64);
+      _tile_loadd(1, a0 + g * kGroup, Kp);
+      _tile_zero(0);
+      _tile_dpbsud(0, 1, 2);
+      if constexpr (R1 > 0) {
+        _tile_loadd(4, a1 + g * kGroup, Kp);
+        _tile_zero(3);
+        _tile_dpbsud(3, 4, 2);
+      }
+      unpack(g + 2);
+    }
+    if (g >= 1) {
+      fold_group<R0>(acc0, [&](int64_t r) { return _mm512_load_si512(before + r * kAmxCols); }, st, ot, gsum, groups,
+                     m0, g - 1);
+      if constexpr (R1 > 0)
+        fold_group<R1>(acc1, [&](int64_t r) { return _mm512_load_si512(before + (kAmxRows + r) * kAmxCols); }, st, ot,
+                       gsum, groups, m0 + kAmxRows, g - 1);
+    }
+    if (g < groups) {
+      _tile_stored(0, now, 64);
+      if constexpr (R1 > 0) _tile_stored(3, now + kAmxRows * kAmxCols, 64);
+    }
+  }
+  store_rows<R0>(acc0, xs, bias, y, n0, m0, N);
+  if constexpr (R1 > 0) store_rows<R1>(acc1, xs, bias, y, n0, m0 + kAmxRows, N);
 }
 
 // A few rows (decoding one token, verifying one or two drafts) through the AMX layout with VNNI
@@ -731,22 +809,6 @@ void amx_layout_vnni_rows(const uint8_t* wt, const uint16_t* st, const uint16_t*
 // tiles' 0.38 / 0.42 / 0.45; at 6 rows 0.43 each, at 8 0.54 against 0.41.
 constexpr int64_t kVnniRowsMax = 5;
 
-template <int64_t ROWS = kVnniRowsMax, typename... Args>
-void dispatch_vnni_rows(int64_t rows, Args... args) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return dispatch_vnni_rows<ROWS - 1>(rows, args...);
-  }
-  amx_layout_vnni_rows<ROWS>(args...);
-}
-
-template <int64_t ROWS = kAmxRows, typename... Args>
-void dispatch_amx(int64_t rows, Args... args) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return dispatch_amx<ROWS - 1>(rows, args...);
-  }
-  amx_rows<ROWS>(args...);
-}
-
 at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                            const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
                            int64_t out_features) {
@@ -754,44 +816,57 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t N = out_features;
   const Int4Weights p = int4_weights("int4_linear_amx", weight, scales, offsets, N, kAmxCols);
   const int64_t tiles = p.units, groups = p.groups, Kp = p.Kp;
-  Rows r = prepare_rows("int4_linear_amx", x, Kp, N, bias);
+  Rows r = prepare_rows("int4_linear_amx", x, Kp, N, bias, kAmxRows);
   const int64_t M = r.M;
   if (M == 0) return r.y.reshape(r.out_shape);
   const int8_t* q = r.q.data();
   const float *xs = r.xs.data(), *gsum = r.gsum.data();
   float* yp = r.y.data_ptr<float>();
-  const bool many = M > kAmxRows;  // more than one tile of rows: unpack each channel tile once
   if (M <= kVnniRowsMax) {  // a few rows: VNNI products on the same layout, bit-identical (see there)
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       for (int64_t nt = t0; nt < t1; ++nt) {
-        dispatch_vnni_rows(M, p.w + nt * groups * kAmxGroupBytes, p.ws + nt * groups * kAmxCols,
-                           p.wo + nt * groups * kAmxCols, q, xs, gsum, r.bptr, yp, nt * kAmxCols, int64_t{0}, N, Kp);
+        with_count<kVnniRowsMax>(M, [&](auto R) {
+          amx_layout_vnni_rows<R()>(p.w + nt * groups * kAmxGroupBytes, p.ws + nt * groups * kAmxCols,
+                                    p.wo + nt * groups * kAmxCols, q, xs, gsum, r.bptr, yp, nt * kAmxCols, 0, N, Kp);
+        });
       }
     });
     return r.y.reshape(r.out_shape);
   }
   // Threads split the channel tiles only: which thread computes (m, n) never depends on M.
+  // Passes of up to 32 rows unpack their groups into the L1 ring as they go; from 65 rows on, each
+  // channel tile is unpacked once per call into an L2 buffer that all passes read. Measured in one
+  // process (gate/up 17920 x 1536, ms, ring / buffer): 33 rows 1.43 / 1.54, 64 rows 2.04 / 2.24,
+  // 128 rows 4.38 / 4.20, 256 rows 13.1 / 10.6.
+  const bool many = M > 4 * kAmxRows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) uint8_t ring[4 * kAmxB];
     std::vector<uint8_t> unpacked(many ? groups * kAmxB + 64 : 0);
     uint8_t* B = many ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63})
                       : nullptr;
-    int64_t configured = 0;
+    amx_configure(std::min(M, kAmxRows));
     for (int64_t nt = t0; nt < t1; ++nt) {
       const uint8_t* wt = p.w + nt * groups * kAmxGroupBytes;
+      const uint16_t *st = p.ws + nt * groups * kAmxCols, *ot = p.wo + nt * groups * kAmxCols;
+      if (M <= kAmxRows) {  // one tile of rows, configured for exactly M: amx_rows' pipeline
+        with_count<kAmxRows>(M, [&](auto R) { amx_rows<R()>(wt, ring, st, ot, q, xs, gsum, r.bptr, yp, nt * kAmxCols, 0, N, Kp); });
+        continue;
+      }
       if (many)
         for (int64_t g = 0; g < groups; ++g) amx_unpack(wt + g * kAmxGroupBytes, B + g * kAmxB);
-      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
-        const int64_t rows = std::min(kAmxRows, M - m0);
-        if (rows != configured) {
-          amx_configure(rows);
-          configured = rows;
-        }
-        dispatch_amx(rows, wt, B, ring, p.ws + nt * groups * kAmxCols, p.wo + nt * groups * kAmxCols, q, xs, gsum,
-                     r.bptr, yp, nt * kAmxCols, m0, N, Kp);
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {  // passes of 16 + R1 rows, the last maybe of R0 <= 16
+        const auto pass = [&](auto R0, auto R1) {
+          amx_row_pair<R0(), R1()>(wt, B, ring, st, ot, q, xs, gsum, r.bptr, yp, nt * kAmxCols, m0, N, Kp);
+        };
+        const int64_t rest = M - m0;
+        if (rest > kAmxRows)
+          with_count<kAmxRows>(std::min(rest - kAmxRows, kAmxRows),
+                               [&](auto R1) { pass(std::integral_constant<int64_t, kAmxRows>{}, R1); });
+        else
+          with_count<kAmxRows>(rest, [&](auto R0) { pass(R0, std::integral_constant<int64_t, 0>{}); });
       }
     }
-    if (configured) _tile_release();
+    _tile_release();
   });
   return r.y.reshape(r.out_shape);
 }
@@ -803,6 +878,21 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
 // loaded into tiles as they are (no unpacking); activations: symmetric per row (quantize_rows).
 // Output (m, n) = (float(sum_k a*w) * scale_m) * scale_n + bias_n, with the int32 sum exact: the
 // same for any M and any position of the row.
+// y = (float(sum) * scale_m) * scale_n + bias_n for ROWS rows of one channel tile (sum_of(r): row
+// m0 + r's 16 exact int32 sums).
+template <int64_t ROWS, typename SumOf>
+inline void int8_store_rows(SumOf sum_of, const float* wscale, const float* xs, const float* bias, float* y,
+                            int64_t n0, int64_t m0, int64_t N) {
+  const int64_t valid = std::min<int64_t>(kAmxCols, N - n0);
+  const __mmask16 tail = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
+  const __m512 ws = _mm512_loadu_ps(wscale);
+  const __m512 b16 = bias != nullptr ? _mm512_maskz_loadu_ps(tail, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < ROWS; ++r) {
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum_of(r)), _mm512_set1_ps(xs[m0 + r])), ws);
+    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, tail, bias != nullptr ? _mm512_add_ps(v, b16) : v);
+  }
+}
+
 template <int64_t ROWS>
 void amx_int8_rows(const int8_t* wt, const float* wscale, const int8_t* q, const float* xs, const float* bias,
                    float* y, int64_t n0, int64_t m0, int64_t N, int64_t Kp) {
@@ -827,23 +917,42 @@ void amx_int8_rows(const int8_t* wt, const float* wscale, const int8_t* q, const
   alignas(64) int32_t c[2][ROWS * kAmxCols];
   _tile_stored(0, c[0], 64);
   _tile_stored(3, c[1], 64);
-  const int64_t valid = std::min<int64_t>(kAmxCols, N - n0);
-  const __mmask16 tail = static_cast<__mmask16>(valid >= 16 ? 0xFFFF : (1u << valid) - 1);
-  const __m512 ws = _mm512_loadu_ps(wscale);
-  const __m512 b16 = bias != nullptr ? _mm512_maskz_loadu_ps(tail, bias + n0) : _mm512_setzero_ps();
-  for (int64_t r = 0; r < ROWS; ++r) {
-    const __m512i sums = _mm512_add_epi32(_mm512_load_si512(c[0] + r * kAmxCols), _mm512_load_si512(c[1] + r * kAmxCols));
-    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(xs[m0 + r])), ws);
-    _mm512_mask_storeu_ps(y + (m0 + r) * N + n0, tail, bias != nullptr ? _mm512_add_ps(v, b16) : v);
-  }
+  int8_store_rows<ROWS>(
+      [&](int64_t r) { return _mm512_add_epi32(_mm512_load_si512(c[0] + r * kAmxCols), _mm512_load_si512(c[1] + r * kAmxCols)); },
+      wscale, xs, bias, y, n0, m0, N);
 }
 
-template <int64_t ROWS = kAmxRows, typename... Args>
-void dispatch_amx_int8(int64_t rows, Args... args) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return dispatch_amx_int8<ROWS - 1>(rows, args...);
+// Two tiles of rows (R1 = 0: the first only) against one channel tile in one pass over the inputs:
+// each weight tile is loaded once for both (17-32 rows; more in passes of 32), as amx_row_pair does
+// for int4. Configured for 16 rows throughout, q padded with zero rows. The int32 sums are exact in
+// any order, so the results equal amx_int8_rows' to the bit.
+template <int64_t R0, int64_t R1>
+void amx_int8_pair(const int8_t* wt, const float* wscale, const int8_t* q, const float* xs, const float* bias,
+                   float* y, int64_t n0, int64_t m0, int64_t N, int64_t Kp) {
+  static_assert(R0 >= 1 && R0 <= kAmxRows && R1 >= 0 && R1 <= kAmxRows && (R1 == 0 || R0 == kAmxRows));
+  const int64_t chunks = Kp / kGroup;
+  const int8_t* a0 = q + m0 * Kp;
+  const int8_t* a1 = a0 + kAmxRows * Kp;
+  _tile_zero(0);
+  if constexpr (R1 > 0) _tile_zero(3);
+  for (int64_t kc = 0; kc < chunks; ++kc) {
+    _tile_loadd(2, wt + kc * kAmxB, 64);
+    _tile_loadd(1, a0 + kc * kGroup, Kp);
+    _tile_dpbssd(0, 1, 2);
+    if constexpr (R1 > 0) {
+      _tile_loadd(4, a1 + kc * kGroup, Kp);
+      _tile_dpbssd(3, 4, 2);
+    }
   }
-  amx_int8_rows<ROWS>(args...);
+  alignas(64) int32_t c[2][kAmxRows * kAmxCols];
+  _tile_stored(0, c[0], 64);
+  int8_store_rows<R0>([&](int64_t r) { return _mm512_load_si512(c[0] + r * kAmxCols); }, wscale, xs, bias, y, n0,
+                      m0, N);
+  if constexpr (R1 > 0) {
+    _tile_stored(3, c[1], 64);
+    int8_store_rows<R1>([&](int64_t r) { return _mm512_load_si512(c[1] + r * kAmxCols); }, wscale, xs, bias, y,
+                        n0, m0 + kAmxRows, N);
+  }
 }
 
 at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
@@ -858,27 +967,38 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
   TORCH_CHECK(Kp % kGroup == 0, "int8_linear_amx: the weight's inputs must be padded to ", kGroup);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == tiles * kAmxCols,
               "int8_linear_amx: bad scales");
-  Rows r = prepare_rows("int8_linear_amx", x, Kp, N, bias);  // (its group sums go unused)
+  Rows r = prepare_rows("int8_linear_amx", x, Kp, N, bias, kAmxRows);  // (its group sums go unused)
   const int64_t M = r.M;
   if (M == 0) return r.y.reshape(r.out_shape);
   const at::Tensor wc = weight.contiguous(), sc = scales.contiguous();
   const int8_t* w = wc.data_ptr<int8_t>();
   const float* wsp = sc.data_ptr<float>();
   float* yp = r.y.data_ptr<float>();
+  const int8_t* q = r.q.data();
+  const float* xs = r.xs.data();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    int64_t configured = 0;
+    amx_configure(std::min(M, kAmxRows));
     for (int64_t nt = t0; nt < t1; ++nt) {
-      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
-        const int64_t rows = std::min(kAmxRows, M - m0);
-        if (rows != configured) {
-          amx_configure(rows);
-          configured = rows;
-        }
-        dispatch_amx_int8(rows, w + nt * Kp * kAmxCols, wsp + nt * kAmxCols, r.q.data(), r.xs.data(), r.bptr, yp,
-                          nt * kAmxCols, m0, N, Kp);
+      const int8_t* wt = w + nt * Kp * kAmxCols;
+      if (M <= kAmxRows) {  // one tile of rows, configured for exactly M
+        with_count<kAmxRows>(M, [&](auto R) {
+          amx_int8_rows<R()>(wt, wsp + nt * kAmxCols, q, xs, r.bptr, yp, nt * kAmxCols, 0, N, Kp);
+        });
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {  // passes of 16 + R1 rows, the last maybe of R0 <= 16
+        const auto pass = [&](auto R0, auto R1) {
+          amx_int8_pair<R0(), R1()>(wt, wsp + nt * kAmxCols, q, xs, r.bptr, yp, nt * kAmxCols, m0, N, Kp);
+        };
+        const int64_t rest = M - m0;
+        if (rest > kAmxRows)
+          with_count<kAmxRows>(std::min(rest - kAmxRows, kAmxRows),
+                               [&](auto R1) { pass(std::integral_constant<int64_t, kAmxRows>{}, R1); });
+        else
+          with_count<kAmxRows>(rest, [&](auto R0) { pass(R0, std::integral_constant<int64_t, 0>{}); });
       }
     }
-    if (configured) _tile_release();
+    _tile_release();
   });
   return r.y.reshape(r.out_shape);
 }
