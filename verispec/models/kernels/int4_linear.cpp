@@ -768,6 +768,20 @@ void amx_row_pair(const uint8_t* wt, const uint8_t* B, uint8_t* ring, const uint
   if constexpr (R1 > 0) store_rows<R1>(acc1, xs, bias, y, n0, m0 + kAmxRows, N);
 }
 
+// Rows [0, M) of one channel tile in passes of up to 32: pass(m0, R0, R1) for 16 + R1 rows from m0
+// (R0 = 16), or for the last R0 <= 16 rows alone (R1 = 0); R0 and R1 as std::integral_constant.
+template <typename Pass>
+void amx_passes(int64_t M, Pass&& pass) {
+  for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {
+    const int64_t rest = M - m0;
+    if (rest > kAmxRows)
+      with_count<kAmxRows>(std::min(rest - kAmxRows, kAmxRows),
+                           [&](auto R1) { pass(m0, std::integral_constant<int64_t, kAmxRows>{}, R1); });
+    else
+      with_count<kAmxRows>(rest, [&](auto R0) { pass(m0, R0, std::integral_constant<int64_t, 0>{}); });
+  }
+}
+
 // A few rows (decoding one token, verifying one or two drafts) through the AMX layout with VNNI
 // products instead of tiles: no unpacked bytes stored and loaded again, and no tile latencies,
 // which is faster at 1-2 rows. Row m's dword c sums channel c's products over the group's 16 input
@@ -854,17 +868,9 @@ at::Tensor int4_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
       }
       if (many)
         for (int64_t g = 0; g < groups; ++g) amx_unpack(wt + g * kAmxGroupBytes, B + g * kAmxB);
-      for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {  // passes of 16 + R1 rows, the last maybe of R0 <= 16
-        const auto pass = [&](auto R0, auto R1) {
-          amx_row_pair<R0(), R1()>(wt, B, ring, st, ot, q, xs, gsum, r.bptr, yp, nt * kAmxCols, m0, N, Kp);
-        };
-        const int64_t rest = M - m0;
-        if (rest > kAmxRows)
-          with_count<kAmxRows>(std::min(rest - kAmxRows, kAmxRows),
-                               [&](auto R1) { pass(std::integral_constant<int64_t, kAmxRows>{}, R1); });
-        else
-          with_count<kAmxRows>(rest, [&](auto R0) { pass(R0, std::integral_constant<int64_t, 0>{}); });
-      }
+      amx_passes(M, [&](int64_t m0, auto R0, auto R1) {
+        amx_row_pair<R0(), R1()>(wt, B, ring, st, ot, q, xs, gsum, r.bptr, yp, nt * kAmxCols, m0, N, Kp);
+      });
     }
     _tile_release();
   });
@@ -986,17 +992,9 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& weight, const 
         });
         continue;
       }
-      for (int64_t m0 = 0; m0 < M; m0 += 2 * kAmxRows) {  // passes of 16 + R1 rows, the last maybe of R0 <= 16
-        const auto pass = [&](auto R0, auto R1) {
-          amx_int8_pair<R0(), R1()>(wt, wsp + nt * kAmxCols, q, xs, r.bptr, yp, nt * kAmxCols, m0, N, Kp);
-        };
-        const int64_t rest = M - m0;
-        if (rest > kAmxRows)
-          with_count<kAmxRows>(std::min(rest - kAmxRows, kAmxRows),
-                               [&](auto R1) { pass(std::integral_constant<int64_t, kAmxRows>{}, R1); });
-        else
-          with_count<kAmxRows>(rest, [&](auto R0) { pass(R0, std::integral_constant<int64_t, 0>{}); });
-      }
+      amx_passes(M, [&](int64_t m0, auto R0, auto R1) {
+        amx_int8_pair<R0(), R1()>(wt, wsp + nt * kAmxCols, q, xs, r.bptr, yp, nt * kAmxCols, m0, N, Kp);
+      });
     }
     _tile_release();
   });
