@@ -11,7 +11,7 @@ from tests.heads.tiny import tiny_data, token_arrays, trained
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.identity import identify
-from verispec.heads.io import WEIGHTS_FILE, file_sha256, save_heads
+from verispec.heads.io import WEIGHTS_FILE, file_sha256, load_heads, save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.train import (
     PRECISIONS,
@@ -163,11 +163,38 @@ def test_training_can_go_on_from_saved_heads(tmp_path, tiny_target):
     assert "init_from_sha256" not in cold
     # Other sizes or another kind are refused with a clear error.
     narrow = EagleDrafter(EagleConfig.for_target(tiny_target, 32))
-    with pytest.raises(VerispecError, match="differ from this run"):
+    with pytest.raises(VerispecError, match="only a wider MLP"):
         warm_start(narrow, TrainSettings(kind="eagle", init_from=str(tmp_path / "eagle")), tiny_target)
     medusa = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))
     with pytest.raises(VerispecError, match="not medusa heads"):
         warm_start(medusa, TrainSettings(kind="medusa", init_from=str(tmp_path / "eagle")), tiny_target)
+
+
+def test_a_wider_drafter_starts_from_narrower_heads_computing_the_same(tmp_path, tiny_target):
+    """--init-from heads with a narrower MLP: the old units are copied and the new ones add nothing
+    until trained (zero down-projection columns), so the widened drafter's outputs are the saved
+    drafter's; the new units' gate/up rows are random, so they get gradients and learn."""
+    trained_plain, vocab_ids, _ = trained(tiny_target, "eagle")
+    save_heads(tmp_path / "eagle", "eagle", trained_plain, identify(tiny_target), vocab_ids)
+    plain = load_heads(tmp_path / "eagle", tiny_target, kind="eagle").module  # as saved (rounded)
+    wide = EagleDrafter(EagleConfig.for_target(tiny_target, 3 * plain.config.intermediate_size))
+    warm_start(wide, TrainSettings(kind="eagle", init_from=str(tmp_path / "eagle")), tiny_target)
+    data = tiny_data(tiny_target, count=6, length=20)
+    embeddings = tiny_target.model.get_input_embeddings().weight.detach()
+    batch = eagle_batch(data, embeddings, data.sequences(heldout=False)[:3])
+    with torch.no_grad():
+        for (got, _), (want, _) in zip(
+            eagle_passes(wide.eval(), batch, 2), eagle_passes(plain, batch, 2), strict=True
+        ):
+            assert torch.allclose(got, want, atol=1e-5)
+    mlp, width = wide.layers[0].mlp, plain.config.intermediate_size
+    assert mlp.gate_proj.weight[width:].abs().sum() > 0 and mlp.down_proj.weight[:, width:].abs().sum() == 0
+    vocab = VocabHead(tiny_target, None, for_training=True)
+    wide.train()
+    eagle_loss(
+        wide, vocab, batch, vocab.target_to_draft(tiny_target.vocab_size), TrainSettings(kind="eagle")
+    ).backward()
+    assert mlp.down_proj.weight.grad[:, width:].abs().sum() > 0
 
 
 def test_length_batches_group_similar_lengths():

@@ -506,16 +506,46 @@ def warm_start(module: nn.Module, settings: TrainSettings, target: Any) -> str:
     folder = Path(settings.init_from or "")
     loaded = load_heads(folder, target, kind=settings.kind)
     want, have = module.config, loaded.module.config  # type: ignore[union-attr]
-    # A drafter without feature layers may start one with them: its taps' projection starts at zero.
-    adds_taps = isinstance(want, EagleConfig) and not have.feature_layers
-    if (replace(want, feature_layers=()) if adds_taps else want) != have:
+    state = loaded.module.state_dict()
+    if isinstance(want, EagleConfig):
+        # A drafter without feature layers may start one with them: its taps' projection starts at
+        # zero. A wider MLP starts as the narrower one plus units that add nothing yet.
+        if not have.feature_layers:
+            want = replace(want, feature_layers=())
+        if want.intermediate_size > have.intermediate_size:
+            state = widened_mlp(state, module.state_dict(), have.intermediate_size)
+            want = replace(want, intermediate_size=have.intermediate_size)
+    if want != have:
         raise VerispecError(
-            f"--init-from {folder}: its sizes {have.to_dict()} differ from this run's {want.to_dict()}"
+            f"--init-from {folder}: its sizes {have.to_dict()} differ from this run's "
+            f"{module.config.to_dict()} (only a wider MLP or added feature layers can start from them)"
         )
-    missing, unexpected = module.load_state_dict(loaded.module.state_dict(), strict=False)
+    missing, unexpected = module.load_state_dict(state, strict=False)
     if unexpected or any(not name.startswith("tap_") for name in missing):
         raise VerispecError(f"--init-from {folder}: weights do not match ({missing + unexpected})")
     return file_sha256(folder / WEIGHTS_FILE)
+
+
+def widened_mlp(
+    state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor], width: int
+) -> dict[str, torch.Tensor]:
+    """``state`` (an EAGLE drafter whose MLP has ``width`` units) with the MLP of ``fresh`` (a wider
+    drafter's freshly initialised weights) holding it: the old units are copied, the new ones keep
+    their random gate/up rows and get zero down-projection columns. The widened drafter computes
+    exactly what the narrow one did (a new unit's output is multiplied by zero) and its new units
+    still learn (their gate/up rows are not zero, so the down columns get gradients): net2net-style
+    growth, so a capacity test starts from trained heads instead of from scratch."""
+    out = dict(state)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        key = f"layers.0.mlp.{name}.weight"
+        grown = fresh[key].detach().clone()
+        if name == "down_proj":
+            grown[:, width:] = 0
+            grown[:, :width] = state[key]
+        else:
+            grown[:width] = state[key]
+        out[key] = grown
+    return out
 
 
 def train_heads(
@@ -636,7 +666,10 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument(
         "--eagle-init", choices=["identity", "random"], default="identity", help="eagle: start from"
     )
-    p.add_argument("--init-from", type=Path, default=None, help="heads folder to go on training from")
+    p.add_argument(
+        "--init-from", type=Path, default=None,
+        help="heads folder to go on training from (eagle: a narrower MLP is widened to --intermediate-size)",
+    )  # fmt: skip
     p.add_argument(
         "--feature-layers", default="",
         help="eagle: comma list of target decoder layers whose normed inputs are fused into the "
