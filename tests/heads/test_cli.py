@@ -4,9 +4,11 @@ folder (int8, as the CLI loads it), and `train`'s flags and errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+import verispec
 from tests.conftest import needs_smollm2, tiny_llama
 from tests.heads.tiny import trained
 from verispec.cli import build_parser, main
@@ -80,6 +82,29 @@ def test_train_data_only_fills_and_then_grows_the_cache(tmp_path, capsys, restor
     assert grown["cursor"]["stdlib"] > first["cursor"]["stdlib"]
     assert "hidden states cached in" in capsys.readouterr().out
     assert not (tmp_path / "unused").exists()  # --data-only trains nothing
+
+
+@needs_smollm2
+def test_train_eval_only_prints_saved_heads_accuracy(tmp_path, capsys, restore_torch_threads):
+    """`verispec train eagle --eval-only --init-from HEADS` on a real model: the shipped heads'
+    accuracy per depth on held-out and training text; no --out needed, nothing written."""
+    heads = Path(verispec.__file__).parent / "heads" / "shipped" / "smollm2-135m-instruct" / "eagle"
+    code = main(["train", "eagle", "--target", "smollm2-135m-instruct", "--sources", "stdlib",
+                 "--max-seq-len", "128", "--max-tokens", "6000", "--eval-only", "--init-from", str(heads),
+                 "--quiet", "--threads", "2", "--cache-dir", str(tmp_path / "cache")])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and "held-out | on a sample of the training text" in out[0]
+    depth1 = out[1].split(":")[1].split("|")
+    assert 0.2 < float(depth1[0].split("/")[0]) <= 1 and 0.2 < float(depth1[1].split("/")[0]) <= 1
+    assert out[-1].startswith("  positions at depth 1:") and sorted(p.name for p in tmp_path.iterdir()) == [
+        "cache"
+    ]
+
+
+def test_train_without_out_is_a_clear_error(folders, capsys):
+    target, _ = folders
+    assert main(["train", "eagle", "--target", str(target), "--max-tokens", "2000"]) == 2
+    assert "give --out FOLDER" in capsys.readouterr().err
 
 
 def test_acceptance_flag_reaches_the_config(capsys):

@@ -23,6 +23,7 @@ from verispec.heads.train import (
     eagle_passes,
     evaluate_eagle,
     evaluate_medusa,
+    evaluate_saved,
     fit,
     length_batches,
     medusa_loss,
@@ -195,6 +196,29 @@ def test_a_wider_drafter_starts_from_narrower_heads_computing_the_same(tmp_path,
         wide, vocab, batch, vocab.target_to_draft(tiny_target.vocab_size), TrainSettings(kind="eagle")
     ).backward()
     assert mlp.down_proj.weight.grad[:, width:].abs().sum() > 0
+
+
+def test_saved_heads_are_evaluated_on_held_out_and_training_text(tmp_path, tiny_target):
+    """--eval-only: the saved heads' held-out accuracy is the one training reported (to float16
+    rounding of the weights), beside a sample of the training split of about the same size."""
+    data = tiny_data(tiny_target)
+    held, sample = data.eval_sequences("heldout"), data.eval_sequences("train")
+    assert held == data.sequences(heldout=True) and 0 < len(sample) <= len(held)
+    assert set(sample) <= set(data.sequences(heldout=False))
+    with pytest.raises(VerispecError, match="unknown evaluation split"):
+        data.eval_sequences("test")
+    for kind in ("eagle", "medusa"):
+        module, vocab_ids, report = trained(tiny_target, kind)
+        save_heads(tmp_path / kind, kind, module, identify(tiny_target), vocab_ids)
+        settings = TrainSettings(kind=kind, num_heads=3, unroll=2, init_from=str(tmp_path / kind))
+        table = evaluate_saved(tiny_target, data, settings).splitlines()
+        depths = len(report["heldout_accuracy"])
+        assert len(table) == depths + 2 and "held-out | on a sample of the training text" in table[0]
+        for line, row in zip(table[1:], report["heldout_accuracy"], strict=False):
+            held_top1 = float(line.split(":")[1].split("/")[0])
+            assert held_top1 == pytest.approx(row["top1"], abs=0.02), (kind, line, row)
+    with pytest.raises(VerispecError, match="give their folder as --init-from"):
+        evaluate_saved(tiny_target, data, TrainSettings(kind="eagle"))
 
 
 def test_length_batches_group_similar_lengths():

@@ -51,6 +51,7 @@ AVX512-BF16 (an 8192 x 1536 LM head over 3000 rows: 432 -> 187 ms here, 2 thread
 EAGLE step over 1000 positions 1.8x faster; where the CPU lacks native bfloat16 it is emulated and
 slower, so ``auto`` picks it only where oneDNN reports support."""
 LABELS = ("soft", "target", "data")
+EVAL_SPLITS = ("heldout", "train")
 """soft: the target's distribution over the draft vocabulary (its LM head on the stored hidden state
 whose output the label is); target: its argmax; data: the text's own next token."""
 
@@ -166,6 +167,18 @@ class TokenData:
             if bool(self.heldout[s]) == heldout and self.starts[s + 1] - self.starts[s] >= 3
         ]
 
+    def eval_sequences(self, split: str = "heldout") -> list[tuple[int, int]]:
+        """The held-out sequences, or (``"train"``) an evenly spaced sample of the training ones of
+        about the same count: heads that do much better on text they trained on than on held-out
+        text have memorised it, the sign that they need more text rather than more training."""
+        if split not in EVAL_SPLITS:
+            raise VerispecError(f"unknown evaluation split {split!r}: one of {', '.join(EVAL_SPLITS)}")
+        held = self.sequences(heldout=True)
+        if split == "heldout":
+            return held
+        train = self.sequences(heldout=False)
+        return train[:: max(1, len(train) // max(1, len(held)))][: max(1, len(held))]
+
     def features(self, index: torch.Tensor, layers: tuple[int, ...] = ()) -> torch.Tensor:
         """Hidden states ``[..., H]`` (float32) at positions ``index``; with ``layers`` (a drafter's
         feature layers, which must be the data's), the target rows it reads, ``[..., (1 + F) H]``:
@@ -244,19 +257,27 @@ def _medusa_targets(data: TokenData, j: torch.Tensor, k: int) -> tuple[torch.Ten
     return pos, valid & data.ok[pos]
 
 
-def medusa_positions(data: TokenData, heldout: bool) -> torch.Tensor:
-    """Positions whose head-0 label exists and is labelled (every training example)."""
-    idx = [torch.arange(a, b - 1) for a, b in data.sequences(heldout)]
+def medusa_positions(data: TokenData, heldout: bool, split: str | None = None) -> torch.Tensor:
+    """Positions whose head-0 label exists and is labelled (every training example); ``split``: those
+    of :meth:`TokenData.eval_sequences` instead."""
+    seqs = data.sequences(heldout) if split is None else data.eval_sequences(split)
+    idx = [torch.arange(a, b - 1) for a, b in seqs]
     j = torch.cat(idx) if idx else torch.empty(0, dtype=torch.long)
     return j[data.ok[j + 1]] if j.numel() else j
 
 
 @torch.no_grad()
 def evaluate_medusa(
-    heads: MedusaHeads, vocab: VocabHead, data: TokenData, width: int, limit: int = 20000
+    heads: MedusaHeads,
+    vocab: VocabHead,
+    data: TokenData,
+    width: int,
+    limit: int = 20000,
+    split: str = "heldout",
 ) -> list[dict[str, float]]:
-    """Held-out accuracy of each head against the target's greedy token: top-1 and top-``width``."""
-    j = medusa_positions(data, heldout=True)[:limit]
+    """Held-out accuracy of each head against the target's greedy token: top-1 and top-``width``
+    (``split="train"``: on a sample of the training text)."""
+    j = medusa_positions(data, heldout=True, split=split)[:limit]
     k = heads.config.num_heads
     hits = torch.zeros(k, 2)
     count = torch.zeros(k)
@@ -369,12 +390,14 @@ def evaluate_eagle(
     width: int,
     depths: int,
     batch_tokens: int = 4096,
+    split: str = "heldout",
 ) -> list[dict[str, float]]:
     """Held-out accuracy at draft depth 1..``depths`` (beyond ``--unroll`` too): top-1 and
-    top-``width`` against the target's greedy token, given correct tokens before it."""
+    top-``width`` against the target's greedy token, given correct tokens before it
+    (``split="train"``: on a sample of the training text)."""
     hits = torch.zeros(depths, 2)
     count = torch.zeros(depths)
-    for seqs in length_batches(data.sequences(heldout=True), batch_tokens, None):
+    for seqs in length_batches(data.eval_sequences(split), batch_tokens, None):
         batch = eagle_batch(data, embeddings, seqs, drafter.config.feature_layers)
         for d, (out, counts) in enumerate(eagle_passes(drafter, batch, depths)):
             top = vocab.to_target(vocab(out[counts]).topk(width, dim=-1).indices)
@@ -548,6 +571,36 @@ def widened_mlp(
     return out
 
 
+def evaluate_saved(target: Any, data: TokenData, settings: TrainSettings) -> str:
+    """``--eval-only``: the accuracy per depth of the heads in ``settings.init_from`` on ``data``'s
+    held-out split and on a sample of its training split of about the same size, as a table."""
+    if not settings.init_from:
+        raise VerispecError("--eval-only evaluates saved heads: give their folder as --init-from")
+    if not data.sequences(heldout=True):
+        raise VerispecError("the data has no held-out sequence yet (every 20th is one): raise --max-tokens")
+    folder = Path(settings.init_from)
+    loaded = load_heads(folder, target, kind=settings.kind)
+    vocab = VocabHead(target, loaded.draft_vocab, for_training=True)
+    width = settings.tree_width or loaded.tree["width"]
+    embeddings = target.model.get_input_embeddings().weight.detach().float()
+    rows = {}
+    for split in EVAL_SPLITS:
+        if loaded.kind == "medusa":
+            rows[split] = evaluate_medusa(loaded.module, vocab, data, width, split=split)  # type: ignore[arg-type]
+        else:
+            depths = max(settings.unroll, 5)
+            rows[split] = evaluate_eagle(loaded.module, vocab, data, embeddings, width, depths, split=split)  # type: ignore[arg-type]
+    held, train = rows["heldout"], rows["train"]
+    lines = [
+        f"{loaded.kind} heads in {folder} against the target's greedy token "
+        f"(depth: top-1 / top-{width} held-out | on a sample of the training text):"
+    ]
+    cell = lambda row: f"{row['top1']:.3f} / {row[f'top{width}']:.3f}"  # noqa: E731
+    lines += [f"  depth {h['depth']}: {cell(h)} | {cell(t)}" for h, t in zip(held, train, strict=True)]
+    lines.append(f"  positions at depth 1: {held[0]['positions']} held-out, {train[0]['positions']} training")
+    return "\n".join(lines)
+
+
 def train_heads(
     target: Any,
     data: TokenData,
@@ -646,7 +699,10 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     )
     p.add_argument("kind", choices=KINDS)
     p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
-    p.add_argument("--out", type=Path, required=True, help="folder to write config.json + model.safetensors")
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help="folder to write config.json + model.safetensors (not needed with --data-only or --eval-only)",
+    )  # fmt: skip
     p.add_argument(
         "--max-tokens", type=int, default=200_000,
         help="training + held-out tokens (the cache grows to cover more; less uses its first sequences)",
@@ -658,6 +714,11 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument(
         "--data-only", action="store_true", help="compute or extend the hidden-state cache, then stop"
     )
+    p.add_argument(
+        "--eval-only", action="store_true",
+        help="print the --init-from heads' accuracy per depth on this data's held-out split and on a sample "
+        "of its training split (a large gap: they memorise, more text is what they need), then stop",
+    )  # fmt: skip
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this --out")
     p.add_argument("--num-heads", type=int, default=4, help="medusa: heads (tree depth)")
@@ -741,6 +802,8 @@ def run_train(args: argparse.Namespace) -> int:
         distilled=str(args.distilled.expanduser().resolve()) if args.distilled else None,
         feature_layers=_layer_list(args.feature_layers),
     )
+    if args.out is None and not (args.data_only or args.eval_only):
+        raise VerispecError("give --out FOLDER for the trained heads (or --data-only / --eval-only)")
     if spec.feature_layers and args.kind != "eagle":
         raise VerispecError("--feature-layers is for eagle drafters (Medusa heads read the last layer only)")
     from verispec.cli import load_config
@@ -753,6 +816,9 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"hidden states cached in {store.folder}: {store.summary()}")
         return 0
     data = TokenData(store.arrays(spec.max_tokens), settings.labels, store.feature_layers)
+    if args.eval_only:
+        print(evaluate_saved(target, data, settings))
+        return 0
     out = args.out.expanduser().resolve()
     key = hashlib.sha256(str(out).encode()).hexdigest()[:12]
     checkpoint = cache_root() / "heads-train" / f"{settings.kind}-{key}" / "checkpoint.pt"
