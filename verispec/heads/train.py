@@ -51,9 +51,11 @@ AVX512-BF16 (an 8192 x 1536 LM head over 3000 rows: 432 -> 187 ms here, 2 thread
 EAGLE step over 1000 positions 1.8x faster; where the CPU lacks native bfloat16 it is emulated and
 slower, so ``auto`` picks it only where oneDNN reports support."""
 LABELS = ("soft", "target", "data")
-EVAL_SPLITS = ("heldout", "train")
 """soft: the target's distribution over the draft vocabulary (its LM head on the stored hidden state
 whose output the label is); target: its argmax; data: the text's own next token."""
+EVAL_SPLITS = ("heldout", "train")
+"""The splits :meth:`TokenData.eval_sequences` measures heads on: held-out text, or a same-size
+sample of the training text (the gap between them shows memorisation)."""
 
 
 @dataclass(frozen=True)
@@ -257,10 +259,12 @@ def _medusa_targets(data: TokenData, j: torch.Tensor, k: int) -> tuple[torch.Ten
     return pos, valid & data.ok[pos]
 
 
-def medusa_positions(data: TokenData, heldout: bool, split: str | None = None) -> torch.Tensor:
-    """Positions whose head-0 label exists and is labelled (every training example); ``split``: those
-    of :meth:`TokenData.eval_sequences` instead."""
-    seqs = data.sequences(heldout) if split is None else data.eval_sequences(split)
+def medusa_positions(data: TokenData, heldout: bool) -> torch.Tensor:
+    """Positions whose head-0 label exists and is labelled (every training example)."""
+    return _medusa_positions_in(data, data.sequences(heldout))
+
+
+def _medusa_positions_in(data: TokenData, seqs: list[tuple[int, int]]) -> torch.Tensor:
     idx = [torch.arange(a, b - 1) for a, b in seqs]
     j = torch.cat(idx) if idx else torch.empty(0, dtype=torch.long)
     return j[data.ok[j + 1]] if j.numel() else j
@@ -277,7 +281,7 @@ def evaluate_medusa(
 ) -> list[dict[str, float]]:
     """Held-out accuracy of each head against the target's greedy token: top-1 and top-``width``
     (``split="train"``: on a sample of the training text)."""
-    j = medusa_positions(data, heldout=True, split=split)[:limit]
+    j = _medusa_positions_in(data, data.eval_sequences(split))[:limit]
     k = heads.config.num_heads
     hits = torch.zeros(k, 2)
     count = torch.zeros(k)
@@ -571,6 +575,12 @@ def widened_mlp(
     return out
 
 
+def eval_depths(settings: TrainSettings) -> int:
+    """EAGLE depths measured after training and by ``--eval-only``: at least 5, beyond ``--unroll``
+    too, because the drafter runs deeper at inference than it was unrolled in training."""
+    return max(settings.unroll, 5)
+
+
 def evaluate_saved(target: Any, data: TokenData, settings: TrainSettings) -> str:
     """``--eval-only``: the accuracy per depth of the heads in ``settings.init_from`` on ``data``'s
     held-out split and on a sample of its training split of about the same size, as a table."""
@@ -588,7 +598,7 @@ def evaluate_saved(target: Any, data: TokenData, settings: TrainSettings) -> str
         if loaded.kind == "medusa":
             rows[split] = evaluate_medusa(loaded.module, vocab, data, width, split=split)  # type: ignore[arg-type]
         else:
-            depths = max(settings.unroll, 5)
+            depths = eval_depths(settings)
             rows[split] = evaluate_eagle(loaded.module, vocab, data, embeddings, width, depths, split=split)  # type: ignore[arg-type]
     held, train = rows["heldout"], rows["train"]
     lines = [
@@ -669,7 +679,7 @@ def train_heads(
             resume=resume,
             progress=progress,
         )
-        accuracy = evaluate_eagle(drafter, vocab, data, embeddings, width, max(settings.unroll, 5))
+        accuracy = evaluate_eagle(drafter, vocab, data, embeddings, width, eval_depths(settings))
         module = drafter
         examples = sum(b - a - 1 for a, b in train_seqs)
     report = {
