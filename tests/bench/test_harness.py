@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -26,6 +27,7 @@ from verispec.bench.report import write_outputs
 from verispec.bench.settings import BenchSettings
 from verispec.cli import main
 from verispec.errors import VerispecError
+from verispec.heads.io import SHIPPED_DIR
 
 TOP_LEVEL = {
     "schema", "created", "command", "machine", "versions", "git_commit", "settings", "models",
@@ -36,9 +38,10 @@ MACHINE = {
 }  # fmt: skip
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {
-    "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram", "tree_nodes",
-    "tree_width", "prompt_lookup_tokens", "datasets", "categories", "limit_per_category", "seed", "data_dir",
-    "max_new_tokens", "warmup", "load", "categories_by_dataset", "warmup_prompt", "decoding",
+    "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram", "heads",
+    "tree_nodes", "tree_width", "prompt_lookup_tokens", "datasets", "categories", "limit_per_category",
+    "seed", "data_dir", "max_new_tokens", "warmup", "load", "categories_by_dataset", "warmup_prompt",
+    "decoding",
 }  # fmt: skip
 RECORD = {
     "method", "dataset", "category", "prompt_id", "turns", "reference", "matches_reference", "first_mismatch",
@@ -167,6 +170,7 @@ def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
         ({"depth": "deep"}, "--depth-policy"),
         ({"tree_nodes": 0}, "--tree-nodes"),
         ({"tree_width": 0}, "--tree-width"),
+        ({"heads": "/no/such/heads"}, "--heads /no/such/heads: no such folder"),
     ],
 )
 def test_settings_reject_bad_values_before_loading_anything(kwargs, message):
@@ -368,3 +372,22 @@ def test_bench_tree_flags_set_the_eagle_tree_budget(tmp_path, restore_torch_thre
         per_pass[nodes] = counts["drafted"] / counts["target_forward_passes"]
         assert f"tree nodes {nodes}, tree width 3" in (out / "report.md").read_text()
     assert per_pass[12] > per_pass[3]
+
+
+@needs_smollm2
+def test_bench_heads_flag_benchmarks_heads_other_than_the_shipped_ones(tmp_path, restore_torch_threads):
+    """--heads loads the given folder (here a copy of the shipped EAGLE heads, in a folder of its
+    own kind), records it in results.json and the report, and stays lossless."""
+    heads = tmp_path / "my-eagle"
+    shutil.copytree(SHIPPED_DIR / "smollm2-135m-instruct" / "eagle", heads)
+    out = tmp_path / "results"
+    argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,eagle", "-k", "4",
+            "--heads", str(heads), "--dataset", "humaneval", "--limit", "1",
+            "--max-new-tokens", "12", "--warmup", "0", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["heads"] == str(heads)
+    assert results["contenders"]["eagle"]["heads"]["heads"] == str(heads)
+    (record,) = [r for r in results["records"] if r["method"] == "eagle"]
+    assert record["matches_reference"] and record["turns"][0]["counts"]["drafted"] > 0
+    assert f"heads: `{heads}`" in (out / "report.md").read_text()

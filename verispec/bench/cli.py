@@ -69,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         default="fixed",
         help="fixed (default): k drafts (trees: all their nodes) every step; adaptive: the policy chooses",
     )
+    bench.add_argument(
+        "--heads",
+        default=None,
+        metavar="PATH",
+        help="heads for medusa/eagle methods (from `verispec train`; default: the target's shipped heads)",
+    )
     bench.add_argument("--tree-nodes", type=int, default=None, help="medusa/eagle: tree nodes per step")
     bench.add_argument("--tree-width", type=int, default=None, help="medusa/eagle: candidates per level")
     bench.add_argument(
@@ -460,6 +466,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         depth=args.depth_policy,
         ngram=NgramConfig(max_ngram=args.ngram_max, min_ngram=args.ngram_min),
+        heads=args.heads,
         tree_nodes=args.tree_nodes,
         tree_width=args.tree_width,
         prompt_lookup_tokens=args.prompt_lookup_tokens,

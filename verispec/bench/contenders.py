@@ -90,6 +90,7 @@ def engine_contenders(
             ngram=settings.ngram,
             draft=DraftModelConfig(model=settings.draft if method == "draft" else None),
             depth=settings.depth,  # type: ignore[arg-type]  # fixed: each method at the k it is given
+            heads=settings.heads,
             tree_nodes=settings.tree_nodes,
             tree_width=settings.tree_width,
         )

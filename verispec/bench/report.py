@@ -106,7 +106,9 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         run.command,
         "```",
         "",
-        f"- target: `{s.target}`" + (f", draft: `{s.draft}`" if s.draft else ""),
+        f"- target: `{s.target}`"
+        + (f", draft: `{s.draft}`" if s.draft else "")
+        + (f", heads: `{s.heads}`" if s.heads else ""),
         f"- {prompts} prompts from {', '.join(s.datasets)}"
         + (f" (categories {', '.join(s.categories)})" if s.categories else "")
         + (f", first {s.limit_per_category} per category" if s.limit_per_category else ""),

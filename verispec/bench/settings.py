@@ -43,6 +43,10 @@ class BenchSettings:
     measures the method itself; 'adaptive': the depth policy chooses per step, as served."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
     """N-gram sizes of the ``ngram`` proposer."""
+    heads: str | None = None
+    """Heads folder for the Medusa and EAGLE methods, from ``verispec train`` (a ``<kind>/`` subfolder
+    per kind, or one kind's folder; None: the target's shipped heads), so trained heads can be
+    compared with the shipped ones on the same prompts."""
     tree_nodes: int | None = None
     """Most tree nodes per step for the Medusa and EAGLE methods (None: the heads' default)."""
     tree_width: int | None = None
@@ -98,6 +102,8 @@ class BenchSettings:
         ):
             if value is not None and value < low:
                 raise VerispecError(f"{flag} must be >= {low}, got {value}")
+        if self.heads is not None and not Path(self.heads).expanduser().exists():
+            raise VerispecError(f"--heads {self.heads}: no such folder")
         self.categories_by_dataset()  # validates the category names
 
     def categories_by_dataset(self) -> dict[str, list[str] | None]:
