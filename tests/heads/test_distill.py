@@ -17,6 +17,7 @@ from verispec.heads.distill import (
     DistillPrompt,
     distill,
     function_prompts,
+    method_prompts,
     read_records,
     sharegpt_prompts,
     stdlib_prompts,
@@ -50,8 +51,27 @@ def only_doc():
 
 class Holder:
     def method(self):
-        """Methods need their class around them to make sense: only top-level functions."""
+        """A method needs its class around it: a function prompt leaves it out, a method prompt has it."""
         return 1
+
+
+class Base(
+    Holder,  # a comment with a colon: here
+    metaclass=type,
+):  # the header ends here
+    """The class docstring is not part of a method's prompt."""
+
+    limit = 3
+
+    def grow(self, n):
+        """Grow by n, never past the limit set on the class, and return the new size of it."""
+        self.n = min(self.n + n, self.limit)
+        return self.n
+
+    @property
+    def size(self):
+        """A decorated method starts at its decorator: left out, as decorated functions are."""
+        return self.n
 '''
 
 
@@ -63,6 +83,33 @@ def test_function_prompts_are_signature_and_docstring_of_top_level_functions():
         'sum as an int."""\n'
     )
     assert list(function_prompts("def broken(:\n")) == []
+
+
+def test_method_prompts_put_each_documented_method_under_its_class_header():
+    got = dict(method_prompts(SOURCE))
+    assert list(got) == ["Holder.method", "Base.grow"]
+    assert got["Holder.method"] == (
+        'class Holder:\n    def method(self):\n        """A method needs its class around it: a function '
+        'prompt leaves it out, a method prompt has it."""\n'
+    )
+    assert got["Base.grow"] == (
+        "class Base(\n    Holder,  # a comment with a colon: here\n    metaclass=type,\n"
+        "):  # the header ends here\n"
+        '    def grow(self, n):\n        """Grow by n, never past the limit set on the class, and return the '
+        'new size of it."""\n'
+    )
+    for prompt in got.values():
+        compile(prompt + "        pass\n", "<prompt>", "exec")  # the model continues valid code
+    assert list(method_prompts("class Broken(:\n")) == []
+
+
+def test_stdlib_method_prompts_are_new_prompts_with_their_own_ids():
+    methods = stdlib_prompts(40, per_file=4, kind="methods")
+    functions = {p.id for p in stdlib_prompts(400, per_file=32)}
+    assert len(methods) == 40 and not functions & {p.id for p in methods}
+    assert all(p.text.startswith("class ") and "\n    def " in p.text for p in methods)
+    with pytest.raises(VerispecError, match="functions or methods"):
+        stdlib_prompts(1, kind="classes")
 
 
 def test_stdlib_prompts_are_seeded_completion_prompts():
