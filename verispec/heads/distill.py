@@ -73,6 +73,14 @@ def _completable(node: ast.stmt) -> TypeGuard[ast.FunctionDef | ast.AsyncFunctio
     return bool(doc) and len(doc) >= 40 and len(node.body) >= 2 and node.body[0].end_lineno is not None
 
 
+def _parsed(source: str) -> tuple[ast.Module, list[str]]:
+    """The module's syntax tree and lines; an empty module where the source does not parse."""
+    try:
+        return ast.parse(source), source.splitlines(keepends=True)
+    except (SyntaxError, ValueError):
+        return ast.Module(body=[], type_ignores=[]), []
+
+
 def _up_to_docstring(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return "".join(lines[node.lineno - 1 : node.body[0].end_lineno])
 
@@ -80,11 +88,7 @@ def _up_to_docstring(lines: list[str], node: ast.FunctionDef | ast.AsyncFunction
 def function_prompts(source: str) -> Iterator[tuple[str, str]]:
     """(name, prompt) for each top-level, undecorated function with a docstring: its source from the
     ``def`` line to the docstring's end, as a HumanEval-style completion prompt."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return
-    lines = source.splitlines(keepends=True)
+    tree, lines = _parsed(source)
     for node in tree.body:
         if _completable(node):
             yield node.name, _up_to_docstring(lines, node)
@@ -96,11 +100,7 @@ def method_prompts(source: str) -> Iterator[tuple[str, str]]:
     ``def`` line to the docstring's end. Python 3.11's standard library has about twice as many
     documented methods (3235) as top-level functions (1544), so this is where more code prompts come
     from; the header gives the method the context (``self``, the base classes) its body needs."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return
-    lines = source.splitlines(keepends=True)
+    tree, lines = _parsed(source)
     for cls in tree.body:
         if not isinstance(cls, ast.ClassDef) or cls.decorator_list:
             continue
