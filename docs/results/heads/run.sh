@@ -10,12 +10,15 @@ T=qwen2.5-coder-1.5b-instruct
 D=qwen2.5-coder-0.5b-instruct
 OUT=${OUT:-results/heads}
 POLICY=${POLICY:-adaptive}
+QUANT=${QUANT:-auto}        # auto = int8 on CPU; int4 is the fastest path and what the 1.5B's heads trained on
+DEST=${DEST:-docs/results/heads}
 COMMON=(--target $T --draft $D --methods none,ngram,draft,medusa,eagle,medusa+ngram,eagle+ngram -k 5 --depth-policy "$POLICY"
+        --quantization "$QUANT"
         --max-new-tokens 96 --warmup 1 --threads 2)
 
 $V bench "${COMMON[@]}" --dataset humaneval --limit 20 --out "$OUT/humaneval"
 $V bench "${COMMON[@]}" --dataset spec_bench --limit 3 --out "$OUT/spec_bench"
 for set in humaneval spec_bench; do
-    mkdir -p "docs/results/heads/$set"
-    cp "$OUT/$set/report.md" "$OUT/$set/"*.png "docs/results/heads/$set/"
+    mkdir -p "$DEST/$set"
+    cp "$OUT/$set/report.md" "$OUT/$set/"*.png "$DEST/$set/"
 done
