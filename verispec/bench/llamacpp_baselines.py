@@ -51,6 +51,8 @@ class LlamaCppWorker:
         self.proc: subprocess.Popen[str] | None = None
         self.log: IO[str] | None = None
         self.ready: dict[str, int] = {}
+        self._ended: weakref.finalize | None = None
+        """Ends ``proc`` once: on :meth:`stop`, or when this worker is garbage-collected."""
 
     def start(self) -> None:
         """Start the process and load the model; a :class:`VerispecError` says why it failed."""
@@ -59,7 +61,7 @@ class LlamaCppWorker:
         self.proc = subprocess.Popen(
             self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
-        weakref.finalize(self, _stop, self.proc)
+        self._ended = weakref.finalize(self, _stop, self.proc)
         try:
             reply = self._ask(self.settings)
         except VerispecError as exc:  # it died while loading
@@ -107,9 +109,10 @@ class LlamaCppWorker:
         return f"llama.cpp's process died ({how})" + (f": {tail}" if tail else "")
 
     def stop(self) -> None:
-        if self.proc is not None:
-            _stop(self.proc)
-            self.proc = None
+        if self._ended is not None:
+            self._ended()  # a finalizer runs once, so a restarted worker leaves none behind
+            self._ended = None
+        self.proc = None
         if self.log is not None:
             self.log.close()
             self.log = None
