@@ -6,7 +6,8 @@ from typing import ClassVar
 
 import pytest
 
-from verispec.detok import IncrementalDetokenizer
+from tests.conftest import needs_smollm2
+from verispec.detok import IncrementalDetokenizer, token_bytes_table, token_text
 
 
 class PieceTokenizer:
@@ -70,3 +71,38 @@ def test_incomplete_character_waits_for_its_second_half():
     detok = IncrementalDetokenizer(PieceTokenizer(), prompt_ids=[1])
     assert detok.add(0) == ""
     assert detok.add(0) == "é"
+
+
+@needs_smollm2
+def test_token_bytes_of_a_byte_level_tokenizer_rebuild_split_characters():
+    """SmolLM2 splits CJK characters and emoji into byte tokens: each token's own bytes still join
+    to the text, and a token holding part of a character is named by its escaped bytes."""
+    from transformers import AutoTokenizer
+
+    from verispec.models.cache import hf_folder_for
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_folder_for("smollm2-135m-instruct"))
+    table = token_bytes_table(tokenizer)
+    assert len(table) == len(tokenizer)
+    text = "héllo → 世界 😀"
+    ids = tokenizer.encode(text)
+    assert b"".join(table[i] for i in ids) == text.encode()
+    names = [token_text(table[i]) for i in ids]
+    assert names[:5] == ["h", "é", "llo", " →", " "]
+    assert any(n.startswith("bytes:\\x") for n in names)
+    assert table[tokenizer.convert_tokens_to_ids("<|im_end|>")] == b"<|im_end|>"
+
+
+def test_token_bytes_of_another_tokenizer_decode_each_token():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "héllo": 1, "wörld": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    assert token_bytes_table(tokenizer)[1:] == ["héllo".encode(), "wörld".encode()]
+
+
+def test_token_text_escapes_part_of_a_character():
+    assert token_text("é".encode()) == "é"
+    assert token_text("世".encode()[:2]) == "bytes:\\xe4\\xb8"

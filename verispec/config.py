@@ -24,6 +24,8 @@ DepthPolicyName = Literal["adaptive", "fixed"]
 
 MAX_SPECULATIVE_TOKENS = 64
 """Upper bound on k: beyond this a draft is all but certain to be rejected and only wastes compute."""
+MAX_LOGPROBS = 20
+"""Most alternatives per token a request may ask log-probabilities for (OpenAI's ``top_logprobs`` limit)."""
 
 
 @dataclass(frozen=True)

@@ -63,3 +63,34 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out
+
+
+def token_bytes_table(tokenizer: Any) -> list[bytes]:
+    """Each token id's own bytes, for log-probability responses (OpenAI's ``bytes``).
+
+    Decoding a token alone is lossy where it holds part of a multi-byte character (SmolLM2 splits
+    most CJK characters and emoji so), so byte-level BPE pieces are mapped back through GPT-2's
+    byte-to-character table; other tokenizers' tokens are decoded one by one. Built once per
+    engine, on first use (a fraction of a second for a 150k vocabulary)."""
+    import tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ids = list(range(len(tokenizer)))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and isinstance(backend.decoder, tokenizers.decoders.ByteLevel):
+        to_byte = {char: byte for byte, char in bytes_to_unicode().items()}
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        return [
+            bytes(to_byte[c] for c in piece) if all(c in to_byte for c in piece) else piece.encode()
+            for piece in pieces
+        ]
+    return [tokenizer.decode([i], clean_up_tokenization_spaces=False).encode() for i in ids]
+
+
+def token_text(raw: bytes) -> str:
+    """A token's text for log-probability responses: its bytes as UTF-8, or, for part of a
+    character, ``bytes:`` and the bytes escaped (``bytes:\\xe4\\xb8``), as OpenAI writes them."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

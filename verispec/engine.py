@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from verispec.config import MAX_SPECULATIVE_TOKENS, SamplingConfig, SchedulerConfig, SpecConfig
+from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SamplingConfig, SchedulerConfig, SpecConfig
 from verispec.costs import StepCostModel, load_or_measure
-from verispec.detok import IncrementalDetokenizer
+from verispec.detok import IncrementalDetokenizer, token_bytes_table
 from verispec.errors import QueueFullError, VerispecError
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
@@ -54,6 +54,8 @@ from verispec.verify.tree import DraftTree, tree_attention_inputs, verify_tree
 
 Prompt = str | Seq[int]
 _ids = count()
+TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
+"""A token's log-probability and the most likely tokens at its position, (id, log-probability)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Request:
     num_speculative_tokens: int = 0
     """Most draft tokens per step for this request; 0 turns speculation off for it."""
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    logprobs: int | None = None
+    """None: no log-probabilities; n: each token's, with the n most likely tokens at its position."""
 
 
 @dataclass
@@ -157,6 +161,7 @@ class SpecEngine:
         self._by_id: dict[str, SeqState] = {}
         self.step_observers: list[Any] = []
         """Callables given every :class:`StepReport` (the server's metrics)."""
+        self._token_bytes: list[bytes] | None = None
 
     # ----------------------------------------------------------------- requests
 
@@ -172,12 +177,17 @@ class SpecEngine:
         stop: Seq[str] = (),
         num_speculative_tokens: int | None = None,
         request_id: str | None = None,
+        logprobs: int | None = None,
     ) -> Request:
         """Validate a request; raises :class:`VerispecError` with a message fit for the user.
 
         ``num_speculative_tokens``: None takes the engine's k, 0 turns speculation off, and a value
-        above the engine's k is cut to it.
+        above the engine's k is cut to it. ``logprobs``: None for none, else each token's
+        log-probability under the target plus that many (<= :data:`MAX_LOGPROBS`) most likely
+        tokens (``TokenEvent.logprob`` and ``top_logprobs``).
         """
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise VerispecError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if max_new_tokens < 1:
             raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -200,7 +210,7 @@ class SpecEngine:
         if self.proposer is None:
             k = 0
         extra = {"request_id": request_id} if request_id is not None else {}
-        return Request(prompt_ids, sampling, max_new_tokens, tuple(stop), k, **extra)
+        return Request(prompt_ids, sampling, max_new_tokens, tuple(stop), k, logprobs=logprobs, **extra)
 
     def add(self, request: Request) -> None:
         """Queue a request; raises :class:`QueueFullError` when ``max_waiting`` requests already wait
@@ -390,7 +400,9 @@ class SpecEngine:
                 seq.acceptance.relax()
             accepted.append(num_accepted)
             hidden = out.hidden[b][kept_rows] if out.hidden is not None else None
-            outputs.append(self._commit(seq, tokens, num_accepted, hidden))
+            wanted = seq.request.logprobs
+            scored = None if wanted is None else _logprobs(logits[kept_rows], tokens, wanted)
+            outputs.append(self._commit(seq, tokens, num_accepted, hidden, scored))
         depths = [_depth(d) for d in drafts]
         if not any(depths) and any(s.request.num_speculative_tokens for s in seqs):
             self.prior.relax()  # nothing drafted this step, though speculation was wanted
@@ -488,10 +500,16 @@ class SpecEngine:
         return out
 
     def _commit(
-        self, seq: SeqState, tokens: list[int], num_accepted: int, hidden: torch.Tensor | None
+        self,
+        seq: SeqState,
+        tokens: list[int],
+        num_accepted: int,
+        hidden: torch.Tensor | None,
+        scored: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         """Append the step's tokens one at a time (EOS, a stop string or the length limit can cut the
-        step short), emit their events, and tell the proposer what was kept."""
+        step short), emit their events (with ``scored``, their log-probabilities), and tell the
+        proposer what was kept."""
         output = RequestOutput(seq.request.request_id)
         eos_ids = self.target.eos_token_ids
         finish: FinishReason | None = None
@@ -513,10 +531,11 @@ class SpecEngine:
                     token_id=token,
                     text=text,
                     from_draft=i < num_accepted,
-                    logprob=None,
+                    logprob=scored[i][0] if scored else None,
                     step=seq.steps,
                     finish_reason=finish,
                     stats=seq.stats if finish is not None else None,
+                    top_logprobs=scored[i][1] if scored else (),
                 )
             )
             if finish is not None:
@@ -650,6 +669,18 @@ class SpecEngine:
             raise VerispecError(f"prompt token ids out of range [0, {self.target.vocab_size}): {bad[:5]}")
         return ids
 
+    def token_bytes(self) -> list[bytes]:
+        """Each token id's bytes (:func:`~verispec.detok.token_bytes_table`), built on the first
+        call: make it on the thread that owns the tokenizer (fast tokenizers are not thread-safe);
+        the list is never changed afterwards, so any thread may read it."""
+        if self._token_bytes is None:
+            if self.tokenizer is None:
+                raise VerispecError(
+                    f"logprobs need a tokenizer to name the tokens, and {self.target.name} has none"
+                )
+            self._token_bytes = token_bytes_table(self.tokenizer)
+        return self._token_bytes
+
     def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
             raise VerispecError(
@@ -697,3 +728,22 @@ def _depth_query(seq: SeqState, cap: int, *, context: int, backlog: int) -> Dept
         backlog=backlog,
         remaining=seq.budget - seq.num_generated,
     )
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], alternatives: int) -> list[TokenLogprobs]:
+    """Each committed token's log-probability and the ``alternatives`` most likely tokens, from the
+    target's logits at its position (``logits[i]`` predicted ``tokens[i]``).
+
+    The raw distribution, before temperature, top-k and top-p (as vLLM reports by default): it
+    describes the model, not the sampler, and is the same whether the token was drafted and accepted
+    or decoded plainly, since the verify rows score exactly as plain decoding does.
+    """
+    rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = rows[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if not alternatives:
+        return [(lp, ()) for lp in chosen]
+    top = rows.topk(alternatives, dim=-1)
+    return [
+        (lp, tuple(zip(ids, values, strict=True)))
+        for lp, ids, values in zip(chosen, top.indices.tolist(), top.values.tolist(), strict=True)
+    ]

@@ -80,10 +80,15 @@ class TokenEvent:
     text: str
     from_draft: bool
     logprob: float | None
+    """The token's log-probability under the target's raw distribution (its logits before
+    temperature, top-k and top-p), when the request asked for logprobs; else None."""
     step: int
     finish_reason: FinishReason | None = None
     stats: SpecStats | None = None
     """Set on the last event only: the statistics of the whole generation."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    """The request's ``logprobs`` most likely tokens at this position, as (token id, log-probability)
+    under the same distribution as ``logprob``, most likely first."""
 
 
 @dataclass

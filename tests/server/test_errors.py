@@ -74,7 +74,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "hi", "stop": [""]}, "stop", None),
         ({"prompt": "hi", "stop": ["x"] * 17}, "stop", None),
         ({"prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
-        ({"prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+        ({"prompt": "hi", "logprobs": 21}, "logprobs", None),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs", None),
+        ({"prompt": "hi", "logprobs": True}, "logprobs", None),
         ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
         ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"prompt": "hi", "speculation": {"enabled": "yes"}}, "speculation.enabled", None),
@@ -114,7 +116,12 @@ def test_bad_completion_requests_are_400(server, body, param, code):
             "max_completion_tokens",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": CONTEXT}, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, None),
         ({"messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
@@ -286,3 +293,6 @@ def test_a_model_without_tokenizer_takes_token_ids_only(tiny_target):
         assert "tokenizer" in assert_error(stop, 400, "stop")["message"]
         chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert "tokenizer" in assert_error(chat, 400, "messages")["message"]
+        named = post(server, "/v1/completions", {"prompt": [5, 17], "logprobs": 1})
+        assert "tokenizer to name the tokens" in assert_error(named, 400, "logprobs")["message"]
+        assert server.sequences() == 0  # refused before it was queued

@@ -139,6 +139,64 @@ def test_speculation_off_gives_the_same_greedy_output_without_drafts(client, ser
     assert stats["drafted"] > 0 and len(stats["per_position_acceptance"]) == 1
 
 
+def _chat_logprobs(client: openai.OpenAI, speculation: bool) -> tuple[Any, list[Any]]:
+    """A greedy chat reply with logprobs, in full and streamed: (response, streamed content entries)."""
+    kwargs: dict[str, Any] = {
+        "model": "tiny-spec",
+        "messages": MESSAGES,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"speculation": {"enabled": speculation}},
+    }
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    streamed = [entry for c in chunks[1:] if c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    return full, streamed
+
+
+def test_chat_logprobs_name_each_token_and_do_not_depend_on_speculation(client):
+    full, streamed = _chat_logprobs(client, speculation=True)
+    entries = full.choices[0].logprobs.content
+    assert len(entries) == full.usage.completion_tokens == 16
+    assert full.model_extra["verispec"]["stats"]["accepted"] > 0  # drafted tokens are among them
+    # A random model's bytes, some not UTF-8; the text holds back a character cut off at the end.
+    text = b"".join(bytes(e.bytes) for e in entries).decode(errors="replace")
+    assert text.rstrip("\ufffd") == full.choices[0].message.content.rstrip("\ufffd")
+    for e in entries:
+        top = [t.logprob for t in e.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True) and all(t <= 0 for t in top)
+        assert e.token == e.top_logprobs[0].token and e.logprob == pytest.approx(top[0])  # greedy: the argmax
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    plain, _ = _chat_logprobs(client, speculation=False)
+    assert plain.model_extra["verispec"]["stats"]["drafted"] == 0
+    for a, b in zip(plain.choices[0].logprobs.content, entries, strict=True):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    bare = client.chat.completions.create(model="tiny-spec", messages=MESSAGES, max_tokens=4)
+    assert bare.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_legacy_format(client):
+    kwargs: dict[str, Any] = {
+        "model": "tiny-spec",
+        "prompt": "The quick brown",
+        "max_tokens": 12,
+        "logprobs": 2,
+    }
+    full = client.completions.create(**kwargs).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert "".join(lp.tokens) == full.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob and 2 <= len(top) <= 3  # the sampled token is always listed
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+
+
 def test_stop_strings_cut_the_output(client):
     text = client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=40).choices[0].text
     stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])

@@ -57,3 +57,29 @@ def test_speculation_on_and_off_agree_and_drafts_are_accepted(server):
     full = server.client().chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=48)
     assert full.choices[0].message.content == on_text
     assert server.metric("verispec_accepted_tokens_total") >= on_stats["accepted"]
+
+
+def test_logprobs_are_the_same_with_and_without_speculation(server):
+    """The real model's log-probabilities: drafted tokens get the ones plain decoding gives them."""
+
+    def ask(enabled: bool) -> Any:
+        return server.client().chat.completions.create(
+            model="smollm2",
+            messages=MESSAGES,
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body={"speculation": {"enabled": enabled}},
+        )
+
+    on, off = ask(True), ask(False)
+    assert on.model_extra["verispec"]["stats"]["accepted"] > 0
+    assert on.choices[0].message.content == off.choices[0].message.content
+    on_entries, off_entries = on.choices[0].logprobs.content, off.choices[0].logprobs.content
+    named = b"".join(bytes(e.bytes) for e in on_entries).decode()
+    assert named == on.choices[0].message.content + "<|im_end|>"  # the end-of-turn token has its entry
+    for a, b in zip(on_entries, off_entries, strict=True):
+        assert a.token == b.token == a.top_logprobs[0].token
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-6) and a.logprob > -20
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]

@@ -10,6 +10,10 @@ Extensions to OpenAI's request bodies (the openai client sends them through ``ex
   ``enabled: false`` decodes plainly, a number caps the draft length (at most the server's ``-k``);
 - ``"top_k"``: keep the k most likely tokens (0 or -1 disables).
 
+Log-probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``) follow OpenAI's
+formats; they are the target's raw distribution (before temperature, top-k and top-p). In a stream
+each chunk carries the entries of its token and of any token whose text was held back before it.
+
 Non-streaming responses are OpenAI's, plus ``"verispec": {"stats": {...}}``: the request's
 speculation statistics (:meth:`verispec.metrics.SpecStats.to_dict`: ``drafted``, ``accepted``,
 ``acceptance_rate``, ``mean_accepted_length``, ``per_position_acceptance``, ``tokens_per_second``,

@@ -227,7 +227,7 @@ async def _generate(
     timer.admitted(prepared.prompt_tokens)
     created = int(time.time())
     if body.stream:
-        writer = ChunkWriter(kind, request_id, created, state.model)
+        writer = ChunkWriter(kind, request_id, created, state.model, prepared.token_bytes)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(stream, timer, writer, prepared.prompt_tokens, include_usage)
 
@@ -257,7 +257,9 @@ async def _generate(
                 await collect
     if collect.cancelled():
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-    return full_response(kind, request_id, created, state.model, collect.result(), prepared.prompt_tokens)
+    return full_response(
+        kind, request_id, created, state.model, collect.result(), prepared.prompt_tokens, prepared.token_bytes
+    )
 
 
 async def _collect(stream: RequestStream, timer: RequestTimer) -> list[TokenEvent]:

@@ -3,7 +3,7 @@
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
 clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (``n`` > 1, logprobs, penalties, tools) are
+change the result in ways this server does not implement (``n`` > 1, penalties, tools) are
 declared so that a request asking for them gets a 400 that names them, never a silently different
 answer. Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks
 are documented in :mod:`verispec.server`.
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from verispec.config import MAX_SPECULATIVE_TOKENS
+from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
 
 MAX_STOP_STRINGS = 16
 """More stop strings than this is almost certainly a client bug (OpenAI allows 4)."""
@@ -101,8 +101,10 @@ class CompletionRequest(SamplingRequest):
     """Not supported."""
     best_of: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
     """Only 1 is supported."""
-    logprobs: integer() | None = only(enum=[None])  # type: ignore[valid-type]
-    """Not supported."""
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
+    """Return each token's log-probability and the ``logprobs`` most likely tokens at its position
+    (the sampled one always among them): the target's raw distribution, before temperature, top-k
+    and top-p."""
 
 
 class TextPart(_Strict):
@@ -123,10 +125,11 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
     """OpenAI's newer name for max_tokens; give one or the other."""
-    logprobs: bool | None = only(enum=[False, None])
-    """Only false is supported."""
-    top_logprobs: integer() | None = only(enum=[None])  # type: ignore[valid-type]
-    """Not supported."""
+    logprobs: bool | None = None
+    """Return each output token's log-probability (the target's raw distribution, before
+    temperature, top-k and top-p) in ``choices[0].logprobs.content``."""
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
+    """With ``logprobs``: also the most likely tokens at each position, this many."""
     tools: list[dict[str, Any]] | None = only(maxItems=0)
     """Not supported."""
     response_format: dict[str, Any] | None = only(properties={"type": {"enum": ["text"]}})
@@ -150,10 +153,37 @@ class StatsExtension(BaseModel):
     stats: dict[str, Any]
 
 
+class TopLogprob(BaseModel):
+    token: str
+    """The token's text; ``bytes:`` and its escaped bytes where it holds part of a character."""
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    """The most likely tokens at this position, most likely first (``top_logprobs`` of them)."""
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per output token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    """The ``logprobs`` most likely tokens at each position, and the sampled one."""
+    text_offset: list[int]
+    """Where each token's text starts in ``text`` (a token still inside a character adds none)."""
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -175,7 +205,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 

@@ -10,9 +10,10 @@ module formats what the engine produced (see :mod:`verispec.server` for the stre
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from verispec.detok import token_text
 from verispec.engine import Request, SpecEngine
 from verispec.errors import VerispecError
 from verispec.metrics import SpecStats
@@ -63,13 +64,15 @@ def reject_unsupported(body: SamplingRequest) -> None:
             (bool(body.echo), "echo", "echo is not supported"),
             (body.suffix is not None, "suffix", "suffix is not supported"),
             (body.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
-            (body.logprobs is not None, "logprobs", "logprobs are not supported"),
         ]
     if isinstance(body, ChatCompletionRequest):
         fmt = (body.response_format or {}).get("type", "text")
         refusals += [
-            (bool(body.logprobs), "logprobs", "logprobs are not supported"),
-            (body.top_logprobs is not None, "top_logprobs", "logprobs are not supported"),
+            (
+                body.top_logprobs is not None and not body.logprobs,
+                "top_logprobs",
+                "top_logprobs needs logprobs: true",
+            ),
             (bool(body.tools), "tools", "tools are not supported"),
             (fmt != "text", "response_format", 'only response_format {"type": "text"} is supported'),
         ]
@@ -108,6 +111,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 class Prepared:
     request: Request
     prompt_tokens: int
+    token_bytes: list[bytes] | None = None
+    """Each token id's bytes, where the request asked for log-probabilities (names their tokens)."""
 
 
 def build_request(
@@ -119,9 +124,11 @@ def build_request(
     if isinstance(body, ChatCompletionRequest):
         ids, source = _chat_ids(engine, body), "messages"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         ids, source = _prompt_ids(engine, single_prompt(body)), "prompt"
         max_tokens = body.max_tokens
+        logprobs = body.logprobs
     context = engine.target.max_context
     if not ids:
         raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=source)
@@ -165,10 +172,12 @@ def build_request(
             if spec is None
             else (spec.num_speculative_tokens if spec.enabled else 0),
             request_id=request_id,
+            logprobs=logprobs,
         )
+        token_bytes = None if logprobs is None else engine.token_bytes()
     except VerispecError as exc:
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
-    return Prepared(request, len(ids))
+    return Prepared(request, len(ids), token_bytes)
 
 
 def _prompt_ids(engine: SpecEngine, prompt: str | list[int]) -> list[int]:
@@ -216,6 +225,7 @@ def _param_of(message: str) -> str | None:
         ("num_speculative_tokens", "speculation.num_speculative_tokens"),
         ("stop", "stop"),
         ("max_new_tokens", "max_tokens"),
+        ("logprobs", "logprobs"),
     ):
         if message.startswith(setting):
             return param
@@ -238,14 +248,66 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def full_response(
-    kind: Kind, request_id: str, created: int, model: str, events: list[TokenEvent], prompt_tokens: int
+LOWEST_LOGPROB = -9999.0
+"""A log-probability of -inf (a token the model rules out) is sent as this: JSON has no infinity."""
+
+
+def _named(token_bytes: list[bytes], token_id: int) -> tuple[str, list[int]]:
+    raw = token_bytes[token_id] if 0 <= token_id < len(token_bytes) else b""  # padded vocabulary rows
+    return token_text(raw), list(raw)
+
+
+def _finite(logprob: float | None) -> float:
+    return LOWEST_LOGPROB if logprob is None or logprob < LOWEST_LOGPROB else logprob
+
+
+def logprobs_body(
+    kind: Kind, events: list[TokenEvent], token_bytes: list[bytes], offset: int = 0
 ) -> dict[str, Any]:
-    """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`)."""
+    """``choices[0].logprobs`` for ``events``: chat's ``content`` entries or the completions format's
+    parallel lists (``offset``: where the first event's text starts in the output)."""
+    if kind == "chat":
+        content = []
+        for e in events:
+            token, raw = _named(token_bytes, e.token_id)
+            top = []
+            for token_id, logprob in e.top_logprobs:
+                name, alt = _named(token_bytes, token_id)
+                top.append({"token": name, "logprob": _finite(logprob), "bytes": alt})
+            content.append({"token": token, "logprob": _finite(e.logprob), "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for e in events:
+        token = _named(token_bytes, e.token_id)[0]
+        top = {_named(token_bytes, t)[0]: _finite(lp) for t, lp in e.top_logprobs}
+        top.setdefault(token, _finite(e.logprob))  # the sampled token is always listed
+        tokens.append(token)
+        logprobs.append(_finite(e.logprob))
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(e.text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def full_response(
+    kind: Kind,
+    request_id: str,
+    created: int,
+    model: str,
+    events: list[TokenEvent],
+    prompt_tokens: int,
+    token_bytes: list[bytes] | None = None,
+) -> dict[str, Any]:
+    """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`);
+    ``token_bytes`` where the request asked for log-probabilities."""
     last = events[-1]
     stats = last.stats or SpecStats()
     text = "".join(e.text for e in events)
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": openai_finish_reason(last)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": None if token_bytes is None else logprobs_body(kind, events, token_bytes),
+        "finish_reason": openai_finish_reason(last),
+    }
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -261,7 +323,7 @@ def full_response(
     }
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChunkWriter:
     """Server-sent events of one streamed request, in the format of :mod:`verispec.server`."""
 
@@ -269,6 +331,11 @@ class ChunkWriter:
     request_id: str
     created: int
     model: str
+    token_bytes: list[bytes] | None = None
+    """Set where the request asked for log-probabilities."""
+    _held: list[TokenEvent] = field(default_factory=list)
+    """Tokens whose log-probabilities wait for the next chunk (their text was held back)."""
+    _offset: int = 0
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         payload = {
@@ -298,10 +365,16 @@ class ChunkWriter:
 
     def token(self, event: TokenEvent) -> str | None:
         """One chunk per token with text; None for an empty-text token that is not the last."""
+        self._held.append(event)
         if not event.text and event.finish_reason is None:
             return None
         finish = openai_finish_reason(event) if event.finish_reason is not None else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        logprobs = None
+        if self.token_bytes is not None:  # this chunk's token and any held back before it
+            logprobs = logprobs_body(self.kind, self._held, self.token_bytes, self._offset)
+            self._offset += sum(len(e.text) for e in self._held)
+        self._held = []
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
         if self.kind == "chat":
             choice["delta"] = {"content": event.text}
         else:
