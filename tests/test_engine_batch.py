@@ -131,6 +131,20 @@ def test_a_full_queue_refuses_with_a_retry_hint(tiny_target):
     engine.add(engine.make_request(PROMPTS[0], max_new_tokens=4))  # room again
 
 
+def test_the_choices_of_one_request_are_queued_all_or_none(tiny_target):
+    engine = engine_for(tiny_target, None, None, batch=1)
+    engine.scheduler = SchedulerConfig(max_batch_size=1, max_waiting=2)
+    engine.add(engine.make_request(PROMPTS[0], max_new_tokens=4))  # takes the free batch slot
+    choices = [engine.make_request(PROMPTS[1], max_new_tokens=4, request_id=f"c-{i}") for i in range(3)]
+    with pytest.raises(QueueFullError, match="3 sequences would wait"):
+        engine.add_all(choices)  # two could wait, the third could not: none is queued
+    assert len(engine.waiting) == 1
+    engine.add_all(choices[:2])
+    assert [s.request.request_id for s in engine.waiting][1:] == ["c-0", "c-1"]
+    with pytest.raises(VerispecError, match="must differ"):
+        engine.add_all([choices[2], choices[2]])
+
+
 def test_a_failing_batch_ends_its_requests_with_an_error_and_the_engine_goes_on(tiny_target, monkeypatch):
     engine = engine_for(tiny_target, None, None)
     engine.add(engine.make_request(PROMPTS[0], max_new_tokens=4))

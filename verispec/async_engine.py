@@ -30,18 +30,30 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class RequestStream:
-    """The outputs of one queued request, in order, until the one marked ``finished``.
+    """The outputs of one or more queued requests (the choices of one API request), in the order
+    they came, until each has sent the one marked ``finished``.
 
-    Iterate it with ``async for``. Leaving early (``break``, an exception, cancellation when the
-    client disconnects) must abort the request so that its sequence stops using a batch slot and
-    its KV memory: use it as ``async with stream:`` or call :meth:`abort`, which is idempotent.
+    Iterate it with ``async for`` (``RequestOutput.request_id`` tells the requests apart). Leaving
+    early (``break``, an exception, cancellation when the client disconnects) must abort the
+    requests so that their sequences stop using batch slots and KV memory: use it as ``async with
+    stream:`` or call :meth:`abort`, which is idempotent.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, queue: asyncio.Queue[RequestOutput]) -> None:
+    def __init__(
+        self, owner: AsyncEngine, request_ids: list[str], queue: asyncio.Queue[RequestOutput]
+    ) -> None:
         self._owner = owner
-        self.request_id = request_id
+        self.request_ids = request_ids
         self._queue = queue
-        self.finished = False
+        self._open = set(request_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request_ids[0]
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -51,14 +63,14 @@ class RequestStream:
             raise StopAsyncIteration
         output = await self._queue.get()
         if output.finished:
-            self.finished = True
+            self._open.discard(output.request_id)
         return output
 
     def abort(self) -> None:
-        """Stop generating (no-op once finished): frees the sequence on the engine thread."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
+        """Stop generating (no-op once finished): frees the sequences on the engine thread."""
+        for request_id in [r for r in self.request_ids if r in self._open]:
+            self._open.discard(request_id)
+            self._owner.abort(request_id)
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -101,30 +113,38 @@ class AsyncEngine:
         :class:`~verispec.errors.VerispecError`) when the engine refuses it, and ``RuntimeError`` when
         the engine thread is not running. Cancelled while waiting, it withdraws the request.
         """
+        return await self.add_all([request])
+
+    async def add_all(self, requests: list[Request]) -> RequestStream:
+        """Queue ``requests`` all or none (:meth:`SpecEngine.add_all`), with one stream for their
+        outputs; raises and withdraws as :meth:`add` does."""
         if not self.alive:
             raise RuntimeError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         accepted: Future[None] = Future()
+        ids = [r.request_id for r in requests]
 
         def add() -> None:
             if not accepted.set_running_or_notify_cancel():
                 return  # the caller gave up before the engine got to it
             try:
-                self.engine.add(request)
+                self.engine.add_all(requests)
             except Exception as exc:
                 accepted.set_exception(exc)
             else:
-                self._queues[request.request_id] = (loop, queue)
+                for request_id in ids:
+                    self._queues[request_id] = (loop, queue)
                 accepted.set_result(None)
 
         self._submit(add)
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            self.abort(request.request_id)  # runs after `add` on the engine thread, if that added it
+            for request_id in ids:  # runs after `add` on the engine thread, if that added them
+                self.abort(request_id)
             raise
-        return RequestStream(self, request.request_id, queue)
+        return RequestStream(self, ids, queue)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue ``request`` and yield its outputs until it finishes.

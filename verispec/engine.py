@@ -243,6 +243,23 @@ class SpecEngine:
         self.waiting.append(seq)
         self._by_id[request.request_id] = seq
 
+    def add_all(self, requests: Seq[Request]) -> None:
+        """Queue several requests (the choices of one API request) all or none: refused together
+        where the last would not fit behind a full batch, so no choice runs for an answer that
+        cannot be given."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise VerispecError(f"request ids must differ, got {ids}")
+        behind = len(self.waiting) - max(0, self.scheduler.max_batch_size - len(self.running))
+        if len(requests) > 1 and behind + len(requests) - 1 >= self.scheduler.max_waiting:
+            raise QueueFullError(
+                f"{len(requests)} sequences would wait behind a full batch, over the limit of "
+                f"{self.scheduler.max_waiting}; retry shortly or ask for fewer choices",
+                self.retry_after(),
+            )
+        for request in requests:
+            self.add(request)
+
     def abort(self, request_id: str) -> bool:
         """Drop a request (its client went away); frees its cache. False if it is not here."""
         seq = self._by_id.get(request_id)

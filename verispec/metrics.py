@@ -33,6 +33,29 @@ class SpecStats:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
 
+    @classmethod
+    def combined(cls, parts: list[SpecStats]) -> SpecStats:
+        """The statistics of several sequences decoded side by side for one request (its choices):
+        counts add up; the prompt is one prompt, and times are the longest, as the sequences shared
+        their steps (so ``tokens_per_second`` is the request's throughput)."""
+        width = max((len(p.drafted_at) for p in parts), default=0)
+
+        def at(name: str) -> list[int]:
+            return [
+                sum(getattr(p, name)[i] for p in parts if i < len(getattr(p, name))) for i in range(width)
+            ]
+
+        out = cls(
+            drafted_at=at("drafted_at"),
+            accepted_at=at("accepted_at"),
+            prompt_tokens=max((p.prompt_tokens for p in parts), default=0),
+        )
+        for name in ("num_steps", "num_committed", "num_drafted", "num_accepted", "num_output_tokens"):
+            setattr(out, name, sum(getattr(p, name) for p in parts))
+        for name in ("draft_seconds", "verify_seconds", "total_seconds"):
+            setattr(out, name, max((getattr(p, name) for p in parts), default=0.0))
+        return out
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """Record one verification step."""
         self.num_steps += 1

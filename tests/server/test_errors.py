@@ -73,7 +73,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "hi", "stop": 3}, "stop", None),
         ({"prompt": "hi", "stop": [""]}, "stop", None),
         ({"prompt": "hi", "stop": ["x"] * 17}, "stop", None),
-        ({"prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
+        ({"prompt": "hi", "n": 0}, "n", None),
+        ({"prompt": "hi", "n": 129}, "n", None),
+        ({"prompt": "hi", "n": 4}, "n", None),  # more than this server's batch of 2 and queue of 1
         ({"prompt": "hi", "logprobs": 21}, "logprobs", None),
         ({"prompt": "hi", "logprobs": -1}, "logprobs", None),
         ({"prompt": "hi", "logprobs": True}, "logprobs", None),
@@ -224,6 +226,17 @@ def test_client_disconnect_during_a_full_response_frees_its_sequence(slow_server
         server.client().completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens
         == 3
     )
+
+
+def test_client_disconnect_frees_every_choice(slow_server):
+    server = slow_server
+    body = {"prompt": "hello world", "max_tokens": 400, "stream": True, "n": 2}  # greedy: never EOS here
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as stream:
+        lines = stream.iter_lines()  # kept: a dropped line iterator closes the response
+        next(line for line in lines if line.startswith("data: "))
+        assert server.sequences() == 2
+    assert server.wait_idle(timeout=3.0) < 3.0
+    assert server.metric("verispec_requests_finished_total", reason="aborted") == 1
 
 
 def test_disconnects_do_not_disturb_other_streams(slow_server):

@@ -197,6 +197,43 @@ def test_completion_logprobs_in_the_legacy_format(client):
     assert streamed == lp.tokens and offsets == lp.text_offset
 
 
+def test_n_choices_are_seeded_samples_of_their_own(client):
+    """n = 3 sampled choices: choice i is what a one-choice request with seed + i gives, in full and
+    streamed, and the usage and statistics count all three."""
+    kwargs: dict[str, Any] = {
+        "model": "tiny-spec",
+        "messages": MESSAGES,
+        "max_tokens": 10,
+        "temperature": 1.0,
+    }
+    full = client.chat.completions.create(n=3, seed=7, **kwargs)
+    texts = [c.message.content for c in sorted(full.choices, key=lambda c: c.index)]
+    assert [c.index for c in full.choices] == [0, 1, 2] and len(set(texts)) > 1
+    singles = [
+        client.chat.completions.create(seed=7 + i, **kwargs).choices[0].message.content for i in range(3)
+    ]
+    assert texts == singles
+    assert full.usage.completion_tokens == 30 and full.model_extra["verispec"]["stats"]["output_tokens"] == 30
+    chunks = list(
+        client.chat.completions.create(
+            n=3, seed=7, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    streamed = {i: "" for i in range(3)}
+    finishes = {i: [] for i in range(3)}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        streamed[choice.index] += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            finishes[choice.index].append(choice.finish_reason)
+    assert [streamed[i] for i in range(3)] == texts
+    assert all(f == ["length"] for f in finishes.values())
+    assert (
+        chunks[-1].usage.completion_tokens == 30
+        and chunks[-1].model_extra["verispec"]["stats"]["drafted"] > 0
+    )
+
+
 def test_stop_strings_cut_the_output(client):
     text = client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=40).choices[0].text
     stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])

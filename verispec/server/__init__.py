@@ -10,6 +10,10 @@ Extensions to OpenAI's request bodies (the openai client sends them through ``ex
   ``enabled: false`` decodes plainly, a number caps the draft length (at most the server's ``-k``);
 - ``"top_k"``: keep the k most likely tokens (0 or -1 disables).
 
+With ``n`` > 1 every choice is its own sequence; stream chunks carry one choice each, told apart by
+``choices[0].index`` (chat opens with one role chunk per choice), each choice ends with its own
+``finish_reason``, and ``usage`` and ``stats`` count all the choices together.
+
 Log-probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``) follow OpenAI's
 formats; they are the target's raw distribution (before temperature, top-k and top-p). In a stream
 each chunk carries the entries of its token and of any token whose text was held back before it.

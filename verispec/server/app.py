@@ -26,6 +26,7 @@ from starlette.background import BackgroundTask
 from verispec.async_engine import SHUTDOWN_MESSAGE, AsyncEngine, RequestStream
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
+from verispec.metrics import SpecStats
 from verispec.server.errors import APIError, BodyLimit, error_body, from_verispec_error, install_handlers
 from verispec.server.metrics import CountRequests, RequestTimer, ServerMetrics
 from verispec.server.protocol import (
@@ -219,7 +220,7 @@ async def _generate(
     timer = RequestTimer(state.metrics, endpoint)
     prepared: Prepared = await state.on_engine(lambda e: build_request(e, body, request_id))
     try:
-        stream = await state.async_engine.add(prepared.request)
+        stream = await state.async_engine.add_all(prepared.requests)
     except VerispecError as exc:
         raise from_verispec_error(exc) from exc
     except RuntimeError as exc:  # the engine thread stopped since the request was built
@@ -227,7 +228,9 @@ async def _generate(
     timer.admitted(prepared.prompt_tokens)
     created = int(time.time())
     if body.stream:
-        writer = ChunkWriter(kind, request_id, created, state.model, prepared.token_bytes)
+        writer = ChunkWriter(
+            kind, request_id, created, state.model, prepared.token_bytes, len(prepared.requests)
+        )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(stream, timer, writer, prepared.prompt_tokens, include_usage)
 
@@ -262,8 +265,9 @@ async def _generate(
     )
 
 
-async def _collect(stream: RequestStream, timer: RequestTimer) -> list[TokenEvent]:
-    events: list[TokenEvent] = []
+async def _collect(stream: RequestStream, timer: RequestTimer) -> list[list[TokenEvent]]:
+    """Each choice's events, in choice order; an error in any choice fails the request."""
+    choices: dict[str, list[TokenEvent]] = {rid: [] for rid in stream.request_ids}
     reason = "aborted"
     try:
         async with stream:
@@ -272,12 +276,13 @@ async def _collect(stream: RequestStream, timer: RequestTimer) -> list[TokenEven
                     reason = "error"
                     raise _engine_failure(output.error)
                 timer.tokens(len(output.events))
-                events.extend(output.events)
-        if not events:
+                choices[output.request_id].extend(output.events)
+        if not all(choices.values()):
             reason = "error"
             raise _engine_failure("the engine ended the request without any output")
-        reason = events[-1].finish_reason or "error"
-        return events
+        first = choices[stream.request_id]
+        reason = first[-1].finish_reason or "error"
+        return list(choices.values())
     finally:
         timer.finish(reason)
 
@@ -291,25 +296,30 @@ async def _stream(
         if role is not None:
             yield role
         completion_tokens = 0
-        last: TokenEvent | None = None
+        index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        last: dict[int, TokenEvent] = {}  # each finished choice's last event
+        failed = False
         async for output in stream:
             if output.error is not None:
-                reason = "error"
+                reason, failed = "error", True
                 yield sse(_engine_failure(output.error).body())
                 break
             timer.tokens(len(output.events))
             completion_tokens += len(output.events)
-            chunks = [c for c in map(writer.token, output.events) if c is not None]
-            last = output.events[-1] if output.finished and output.events else last
+            i = index[output.request_id]
+            chunks = [c for c in (writer.token(e, i) for e in output.events) if c is not None]
+            if output.finished and output.events:
+                last[i] = output.events[-1]
             if chunks:
                 yield "".join(chunks)  # one write per step; still one SSE event per token
-        if last is not None:
-            reason = last.finish_reason or "error"
+        if not failed and len(last) == len(index):
+            reason = last[0].finish_reason or "error"
             # Counted before the last writes: a client that stops reading at [DONE] (the openai
             # client does) must find the request already counted, not after this generator resumes.
             timer.finish(reason)
             if include_usage:
-                yield writer.usage(prompt_tokens, completion_tokens, last.stats)
+                stats = SpecStats.combined([e.stats or SpecStats() for _, e in sorted(last.items())])
+                yield writer.usage(prompt_tokens, completion_tokens, stats)
         yield DONE
     finally:
         stream.abort()

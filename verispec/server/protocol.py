@@ -3,7 +3,7 @@
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
 clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (``n`` > 1, penalties, tools) are
+change the result in ways this server does not implement (penalties, tools, ``best_of``) are
 declared so that a request asking for them gets a 400 that names them, never a silently different
 answer. Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks
 are documented in :mod:`verispec.server`.
@@ -19,6 +19,8 @@ from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
 
 MAX_STOP_STRINGS = 16
 """More stop strings than this is almost certainly a client bug (OpenAI allows 4)."""
+MAX_CHOICES = 128
+"""Most choices (``n``) per request, as OpenAI allows."""
 
 
 def _integral(value: object) -> object:
@@ -78,8 +80,9 @@ class SamplingRequest(_Strict):
     """Stop strings (the output ends before the first match); needs a model with a tokenizer."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
-    """Only 1 is supported."""
+    n: integer(ge=1, le=MAX_CHOICES) | None = None  # type: ignore[valid-type]
+    """Choices to generate, each its own sequence in the batch (sampled independently; with a
+    ``seed``, choice i uses seed + i)."""
     presence_penalty: float | None = only(enum=[0, None])
     """Only 0 is supported."""
     frequency_penalty: float | None = only(enum=[0, None])

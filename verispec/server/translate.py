@@ -10,7 +10,7 @@ module formats what the engine produced (see :mod:`verispec.server` for the stre
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from verispec.detok import token_text
@@ -54,7 +54,6 @@ def check_model(body: SamplingRequest, served: str) -> None:
 def reject_unsupported(body: SamplingRequest) -> None:
     """400 for options that would change the answer in ways this server does not implement."""
     refusals: list[tuple[bool, str, str]] = [
-        (body.n not in (None, 1), "n", "only n=1 is supported; send several requests (with seeds) instead"),
         (bool(body.presence_penalty), "presence_penalty", "presence_penalty is not supported (only 0)"),
         (bool(body.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported (only 0)"),
         (bool(body.logit_bias), "logit_bias", "logit_bias is not supported"),
@@ -109,7 +108,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 @dataclass(frozen=True)
 class Prepared:
-    request: Request
+    requests: list[Request]
+    """One engine request per choice (``n``), in choice order."""
     prompt_tokens: int
     token_bytes: list[bytes] | None = None
     """Each token id's bytes, where the request asked for log-probabilities (names their tokens)."""
@@ -177,7 +177,30 @@ def build_request(
         token_bytes = None if logprobs is None else engine.token_bytes()
     except VerispecError as exc:
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
-    return Prepared(request, len(ids), token_bytes)
+    return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes)
+
+
+def _choices(engine: SpecEngine, request: Request, n: int) -> list[Request]:
+    """``n`` copies of ``request`` with ids of their own (``<id>-<i>``) and, for a seeded request,
+    seeds seed + i: the same request gives the same choices, and they differ from one another."""
+    if n == 1:
+        return [request]
+    batch, waiting = engine.scheduler.max_batch_size, engine.scheduler.max_waiting
+    if n > batch + waiting:
+        raise APIError(
+            400,
+            f"n is {n}, but this server holds at most {batch + waiting} sequences at once "
+            f"({batch} running, {waiting} waiting); ask for fewer",
+            param="n",
+        )
+    seed = request.sampling.seed
+    out = []
+    for i in range(n):
+        sampling = request.sampling
+        if seed is not None:
+            sampling = replace(sampling, seed=seed + i if seed + i < 2**64 else seed + i - 2**64)
+        out.append(replace(request, sampling=sampling, request_id=f"{request.request_id}-{i}"))
+    return out
 
 
 def _prompt_ids(engine: SpecEngine, prompt: str | list[int]) -> list[int]:
@@ -294,31 +317,34 @@ def full_response(
     request_id: str,
     created: int,
     model: str,
-    events: list[TokenEvent],
+    choices: list[list[TokenEvent]],
     prompt_tokens: int,
     token_bytes: list[bytes] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`);
-    ``token_bytes`` where the request asked for log-probabilities."""
-    last = events[-1]
-    stats = last.stats or SpecStats()
-    text = "".join(e.text for e in events)
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": None if token_bytes is None else logprobs_body(kind, events, token_bytes),
-        "finish_reason": openai_finish_reason(last),
-    }
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
+    """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`) of
+    each choice's events; ``token_bytes`` where the request asked for log-probabilities. The
+    statistics are the choices' together (:meth:`SpecStats.combined`)."""
+    out = []
+    for index, events in enumerate(choices):
+        text = "".join(e.text for e in events)
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": None if token_bytes is None else logprobs_body(kind, events, token_bytes),
+            "finish_reason": openai_finish_reason(events[-1]),
+        }
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out.append(choice)
+    stats = SpecStats.combined([events[-1].stats or SpecStats() for events in choices])
     return {
         "id": request_id,
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(prompt_tokens, len(events)),
+        "choices": out,
+        "usage": usage(prompt_tokens, sum(len(events) for events in choices)),
         "verispec": {"stats": stats.to_dict()},
     }
 
@@ -333,9 +359,10 @@ class ChunkWriter:
     model: str
     token_bytes: list[bytes] | None = None
     """Set where the request asked for log-probabilities."""
-    _held: list[TokenEvent] = field(default_factory=list)
-    """Tokens whose log-probabilities wait for the next chunk (their text was held back)."""
-    _offset: int = 0
+    choices: int = 1
+    _held: dict[int, list[TokenEvent]] = field(default_factory=dict)
+    """Per choice, tokens whose log-probabilities wait for its next chunk (their text was held back)."""
+    _offset: dict[int, int] = field(default_factory=dict)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         payload = {
@@ -349,32 +376,39 @@ class ChunkWriter:
         return sse(payload)
 
     def role(self) -> str | None:
-        """Chat streams open with the assistant role and empty content, as OpenAI's do."""
+        """Chat streams open with the assistant role and empty content, as OpenAI's do (one
+        chunk per choice)."""
         if self.kind != "chat":
             return None
-        return self._chunk(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ]
+        return "".join(
+            self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for index in range(self.choices)
         )
 
-    def token(self, event: TokenEvent) -> str | None:
-        """One chunk per token with text; None for an empty-text token that is not the last."""
-        self._held.append(event)
+    def token(self, event: TokenEvent, index: int = 0) -> str | None:
+        """One chunk per token with text, of choice ``index``; None for an empty-text token that is
+        not the last."""
+        held = self._held.setdefault(index, [])
+        held.append(event)
         if not event.text and event.finish_reason is None:
             return None
         finish = openai_finish_reason(event) if event.finish_reason is not None else None
         logprobs = None
         if self.token_bytes is not None:  # this chunk's token and any held back before it
-            logprobs = logprobs_body(self.kind, self._held, self.token_bytes, self._offset)
-            self._offset += sum(len(e.text) for e in self._held)
-        self._held = []
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+            offset = self._offset.get(index, 0)
+            logprobs = logprobs_body(self.kind, held, self.token_bytes, offset)
+            self._offset[index] = offset + sum(len(e.text) for e in held)
+        self._held[index] = []
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.kind == "chat":
             choice["delta"] = {"content": event.text}
         else:
