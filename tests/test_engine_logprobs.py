@@ -81,3 +81,27 @@ def test_no_logprobs_unless_asked_and_bad_counts_refused(tiny_target):
     for bad in (-1, MAX_LOGPROBS + 1):
         with pytest.raises(VerispecError, match="logprobs must be between 0 and 20"):
             engine.make_request(PROMPTS[0], logprobs=bad)
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_prefill_chunks(tiny_target, tiny_draft):
+    """A 45-token prompt prefilled in chunks of 16 beside a short one: each prompt token after the
+    first gets the target's log-probability there, as one fresh forward over the prompt gives it."""
+    from tests.test_engine_batch import engine_for
+
+    engine = engine_for(tiny_target, tiny_draft, "draft", prefill_chunk=16)
+    long = [(7 * i + 3) % 90 + 1 for i in range(45)]
+    gens = engine.generate_batch([long, PROMPTS[2]], max_new_tokens=6, prompt_logprobs=2)
+    for prompt, gen in zip([long, PROMPTS[2]], gens, strict=True):
+        scores = gen.prompt_logprobs
+        assert scores is not None and len(scores) == len(prompt) and scores[0] is None
+        with torch.inference_mode():
+            logits = tiny_target.forward(
+                torch.tensor([prompt]), tiny_target.new_cache(), logits_to_keep=len(prompt)
+            )
+        want = torch.log_softmax(logits.logits[0].float(), dim=-1)
+        for i, (logprob, top) in enumerate(scores[1:]):
+            assert logprob == pytest.approx(float(want[i, prompt[i + 1]]), abs=1e-4)
+            assert [t for t, _ in top] == want[i].topk(2).indices.tolist()
+    assert engine.generate(PROMPTS[0], max_new_tokens=2).prompt_logprobs is None
+    with pytest.raises(VerispecError, match="prompt_logprobs must be between 0 and 20"):
+        engine.make_request(PROMPTS[0], prompt_logprobs=21)

@@ -71,6 +71,8 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     logprobs: int | None = None
     """None: no log-probabilities; n: each token's, with the n most likely tokens at its position."""
+    prompt_logprobs: int | None = None
+    """The same for the prompt's tokens (scoring a text, as ``echo`` with ``logprobs`` asks)."""
 
 
 @dataclass
@@ -91,6 +93,8 @@ class SeqState:
     feeds_draft: bool | None = None
     """Whether its prompt chunks are fed to the draft model as the target prefills them; decided
     at its first chunk (see :meth:`SpecEngine._draft_prefill_pays`)."""
+    prompt_scores: list[TokenLogprobs] = field(default_factory=list)
+    """With ``prompt_logprobs``: the prompt's tokens after the first, scored as prefill goes."""
 
     @property
     def prompt_len(self) -> int:
@@ -113,6 +117,9 @@ class RequestOutput:
     events: list[TokenEvent] = field(default_factory=list)
     finished: bool = False
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On a request's first output, where it asked for them: one entry per prompt token, the first
+    None (nothing predicts it)."""
 
 
 @dataclass(frozen=True)
@@ -178,16 +185,19 @@ class SpecEngine:
         num_speculative_tokens: int | None = None,
         request_id: str | None = None,
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Request:
         """Validate a request; raises :class:`VerispecError` with a message fit for the user.
 
         ``num_speculative_tokens``: None takes the engine's k, 0 turns speculation off, and a value
         above the engine's k is cut to it. ``logprobs``: None for none, else each token's
         log-probability under the target plus that many (<= :data:`MAX_LOGPROBS`) most likely
-        tokens (``TokenEvent.logprob`` and ``top_logprobs``).
+        tokens (``TokenEvent.logprob`` and ``top_logprobs``); ``prompt_logprobs`` the same for the
+        prompt's tokens (``RequestOutput.prompt_logprobs``, ``Generation.prompt_logprobs``).
         """
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise VerispecError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {logprobs}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise VerispecError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if max_new_tokens < 1:
             raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -210,7 +220,16 @@ class SpecEngine:
         if self.proposer is None:
             k = 0
         extra = {"request_id": request_id} if request_id is not None else {}
-        return Request(prompt_ids, sampling, max_new_tokens, tuple(stop), k, logprobs=logprobs, **extra)
+        return Request(
+            prompt_ids,
+            sampling,
+            max_new_tokens,
+            tuple(stop),
+            k,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **extra,
+        )
 
     def add(self, request: Request) -> None:
         """Queue a request; raises :class:`QueueFullError` when ``max_waiting`` requests already wait
@@ -313,13 +332,19 @@ class SpecEngine:
         if seqs:
 
             def run(seqs: list[SeqState]) -> list[RequestOutput]:
+                scored = [s.request.prompt_logprobs is not None for s in seqs]
+                starts = [s.cache.length for s in seqs]
                 out = self.target.forward_batch(
                     [s.cache for s in seqs],
                     rows,
-                    logits_to_keep=[0] * len(seqs),
+                    logits_to_keep=[len(r) if want else 0 for r, want in zip(rows, scored, strict=True)],
                     hidden_to_keep=[len(r) for r in rows] if self._needs_hidden else None,
                     feature_layers=self._feature_layers,
                 )
+                for seq, start, row, logits, want in zip(seqs, starts, rows, out.logits, scored, strict=True):
+                    if want:  # the chunk's logits score the prompt's next tokens
+                        nexts = seq.token_ids[start + 1 : start + 1 + len(row)]
+                        seq.prompt_scores += _logprobs(logits, nexts, int(seq.request.prompt_logprobs or 0))
                 if out.hidden is not None and self.proposer is not None:
                     for seq, hidden in zip(seqs, out.hidden, strict=True):
                         self.proposer.prefill(seq.proposer_state, hidden)
@@ -528,6 +553,8 @@ class SpecEngine:
         step short), emit their events (with ``scored``, their log-probabilities), and tell the
         proposer what was kept."""
         output = RequestOutput(seq.request.request_id)
+        if seq.steps == 0 and seq.request.prompt_logprobs is not None:
+            output.prompt_logprobs = [None, *seq.prompt_scores]
         eos_ids = self.target.eos_token_ids
         finish: FinishReason | None = None
         for i, token in enumerate(tokens):
@@ -618,9 +645,12 @@ class SpecEngine:
         """Generate for several prompts decoding together in batches (same settings for each)."""
         requests = [self.make_request(p, **kwargs) for p in prompts]
         events: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
+        scores: dict[str, list[TokenLogprobs | None] | None] = {}
         for out in self._drive(requests):
             events[out.request_id].extend(out.events)
-        return [_generation(r, events[r.request_id]) for r in requests]
+            if out.prompt_logprobs is not None:
+                scores[out.request_id] = out.prompt_logprobs
+        return [_generation(r, events[r.request_id], scores.get(r.request_id)) for r in requests]
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[TokenEvent]:
         """Yield one :class:`TokenEvent` per generated token as soon as it is committed.
@@ -717,7 +747,9 @@ def _depth(draft: Draft | DraftTree) -> int:
     return draft.k
 
 
-def _generation(request: Request, events: list[TokenEvent]) -> Generation:
+def _generation(
+    request: Request, events: list[TokenEvent], prompt_logprobs: list[TokenLogprobs | None] | None
+) -> Generation:
     last = events[-1]
     assert last.finish_reason is not None and last.stats is not None
     return Generation(
@@ -727,6 +759,7 @@ def _generation(request: Request, events: list[TokenEvent]) -> Generation:
         stats=last.stats,
         prompt_token_ids=list(request.prompt_ids),
         events=events,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -101,3 +101,6 @@ class Generation:
     stats: SpecStats
     prompt_token_ids: list[int] = field(default_factory=list)
     events: list[TokenEvent] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None] | None = None
+    """With ``prompt_logprobs``: per prompt token, its log-probability and the most likely tokens
+    there (as ``TokenEvent.logprob`` / ``top_logprobs``); None for the first token."""

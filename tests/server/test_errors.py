@@ -79,7 +79,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "hi", "logprobs": 21}, "logprobs", None),
         ({"prompt": "hi", "logprobs": -1}, "logprobs", None),
         ({"prompt": "hi", "logprobs": True}, "logprobs", None),
-        ({"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+        ({"prompt": "hi", "echo": 1}, "echo", None),
         ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"prompt": "hi", "speculation": {"enabled": "yes"}}, "speculation.enabled", None),
         (
@@ -306,6 +306,8 @@ def test_a_model_without_tokenizer_takes_token_ids_only(tiny_target):
         assert "tokenizer" in assert_error(stop, 400, "stop")["message"]
         chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert "tokenizer" in assert_error(chat, 400, "messages")["message"]
+        echo = post(server, "/v1/completions", {"prompt": [5, 17], "echo": True})
+        assert "tokenizer to write the prompt" in assert_error(echo, 400, "echo")["message"]
         named = post(server, "/v1/completions", {"prompt": [5, 17], "logprobs": 1})
         assert "tokenizer to name the tokens" in assert_error(named, 400, "logprobs")["message"]
         assert server.sequences() == 0  # refused before it was queued

@@ -197,6 +197,41 @@ def test_completion_logprobs_in_the_legacy_format(client):
     assert streamed == lp.tokens and offsets == lp.text_offset
 
 
+def test_echo_with_logprobs_scores_a_text_as_evaluation_harnesses_ask(client, server):
+    """lm-evaluation-harness's loglikelihood request (token-id prompt, echo, max_tokens 1, logprobs
+    1): one entry per prompt token (the first null) and the generated one; a continuation the model
+    would write greedily scores as greedy, with the log-probabilities it had when generated."""
+    prompt = server.on_engine(lambda e: e.encode("The quick brown"))
+    written = client.completions.create(model="tiny-spec", prompt=[prompt], max_tokens=6, logprobs=1)
+    continuation = server.on_engine(lambda e: e.encode("The quick brown" + written.choices[0].text))[
+        len(prompt) :
+    ]
+    assert len(continuation) >= 3  # the text re-encodes to (mostly) the tokens it was made of
+    scored = client.completions.create(
+        model="tiny-spec", prompt=[prompt + continuation], max_tokens=1, logprobs=1, echo=True, temperature=0
+    ).choices[0]
+    lp = scored.logprobs
+    n = len(prompt) + len(continuation)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert scored.text.startswith("The quick brown")
+    assert lp.text_offset[len(prompt)] == len("The quick brown")
+    ctx = lp.token_logprobs[len(prompt) : n]
+    assert all(t == max(top.values()) for t, top in zip(ctx, lp.top_logprobs[len(prompt) : n], strict=True))
+    made = written.choices[0].logprobs.token_logprobs[: len(continuation)]
+    assert ctx == pytest.approx(made, abs=1e-4)
+    chunks = list(
+        client.completions.create(
+            model="tiny-spec", prompt=[prompt], max_tokens=3, logprobs=1, echo=True, stream=True
+        )
+    )
+    first = chunks[0].choices[0]
+    assert first.text == "The quick brown" and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(prompt)], abs=1e-5)
+    bare = client.completions.create(model="tiny-spec", prompt="The quick brown", max_tokens=3, echo=True)
+    assert bare.choices[0].text.startswith("The quick brown") and bare.choices[0].logprobs is None
+
+
 def test_n_choices_are_seeded_samples_of_their_own(client):
     """n = 3 sampled choices: choice i is what a one-choice request with seed + i gives, in full and
     streamed, and the usage and statistics count all three."""

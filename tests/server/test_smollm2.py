@@ -83,3 +83,27 @@ def test_logprobs_are_the_same_with_and_without_speculation(server):
         assert a.token == b.token == a.top_logprobs[0].token
         assert a.logprob == pytest.approx(b.logprob, abs=1e-6) and a.logprob > -20
         assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+
+
+def test_echo_scores_a_greedy_continuation_as_greedy(server):
+    """Evaluation harnesses' loglikelihood request on the real model: the reply SmolLM2 writes
+    greedily, scored back with echo, is greedy at every token and keeps its log-probabilities
+    (prefill and decode run different kernels, so within rounding)."""
+    client = server.client()
+    prompt = server.on_engine(lambda e: e.encode("def add(a, b):\n    return"))
+    written = client.completions.create(
+        model="smollm2", prompt=[prompt], max_tokens=8, logprobs=1, temperature=0
+    )
+    ids = server.on_engine(lambda e: e.encode("def add(a, b):\n    return" + written.choices[0].text))
+    assert ids[: len(prompt)] == prompt
+    scored = client.completions.create(
+        model="smollm2", prompt=[ids], max_tokens=1, logprobs=1, echo=True, temperature=0
+    ).choices[0]
+    lp = scored.logprobs
+    rest = slice(len(prompt), len(ids))
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert all(
+        t == max(top.values()) for t, top in zip(lp.token_logprobs[rest], lp.top_logprobs[rest], strict=True)
+    )
+    made = written.choices[0].logprobs.token_logprobs[: len(ids) - len(prompt)]
+    assert lp.token_logprobs[rest] == pytest.approx(made, abs=0.05)

@@ -17,6 +17,8 @@ With ``n`` > 1 every choice is its own sequence; stream chunks carry one choice 
 Log-probabilities (chat ``logprobs``/``top_logprobs``, completions ``logprobs``) follow OpenAI's
 formats; they are the target's raw distribution (before temperature, top-k and top-p). In a stream
 each chunk carries the entries of its token and of any token whose text was held back before it.
+A completion with ``echo`` starts with the prompt (streamed: a first chunk per choice holding the
+prompt's text and, with ``logprobs``, its tokens' entries, the first null).
 
 Non-streaming responses are OpenAI's, plus ``"verispec": {"stats": {...}}``: the request's
 speculation statistics (:meth:`verispec.metrics.SpecStats.to_dict`: ``drafted``, ``accepted``,

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from verispec.async_engine import SHUTDOWN_MESSAGE, AsyncEngine, RequestStream
-from verispec.engine import SpecEngine
+from verispec.engine import SpecEngine, TokenLogprobs
 from verispec.errors import VerispecError
 from verispec.metrics import SpecStats
 from verispec.server.errors import APIError, BodyLimit, error_body, from_verispec_error, install_handlers
@@ -42,6 +42,7 @@ from verispec.server.protocol import (
 from verispec.server.translate import (
     DONE,
     ChunkWriter,
+    Echo,
     Kind,
     Prepared,
     build_request,
@@ -232,7 +233,7 @@ async def _generate(
             kind, request_id, created, state.model, prepared.token_bytes, len(prepared.requests)
         )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _stream(stream, timer, writer, prepared.prompt_tokens, include_usage)
+        chunks = _stream(stream, timer, writer, prepared, include_usage)
 
         async def close() -> None:
             """After the response, however it ended: the generator's `finally` handles cancellation
@@ -260,14 +261,20 @@ async def _generate(
                 await collect
     if collect.cancelled():
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    choices, scores = collect.result()
+    echo = None if prepared.echo is None else Echo(prepared.echo, prepared.requests[0].prompt_ids, scores)
     return full_response(
-        kind, request_id, created, state.model, collect.result(), prepared.prompt_tokens, prepared.token_bytes
+        kind, request_id, created, state.model, choices, prepared.prompt_tokens, prepared.token_bytes, echo
     )
 
 
-async def _collect(stream: RequestStream, timer: RequestTimer) -> list[list[TokenEvent]]:
-    """Each choice's events, in choice order; an error in any choice fails the request."""
+async def _collect(
+    stream: RequestStream, timer: RequestTimer
+) -> tuple[list[list[TokenEvent]], list[TokenLogprobs | None] | None]:
+    """Each choice's events, in choice order, and the prompt's scores where they were asked for
+    (the same for every choice); an error in any choice fails the request."""
     choices: dict[str, list[TokenEvent]] = {rid: [] for rid in stream.request_ids}
+    scores = None
     reason = "aborted"
     try:
         async with stream:
@@ -277,18 +284,19 @@ async def _collect(stream: RequestStream, timer: RequestTimer) -> list[list[Toke
                     raise _engine_failure(output.error)
                 timer.tokens(len(output.events))
                 choices[output.request_id].extend(output.events)
+                scores = output.prompt_logprobs if output.prompt_logprobs is not None else scores
         if not all(choices.values()):
             reason = "error"
             raise _engine_failure("the engine ended the request without any output")
         first = choices[stream.request_id]
         reason = first[-1].finish_reason or "error"
-        return list(choices.values())
+        return list(choices.values()), scores
     finally:
         timer.finish(reason)
 
 
 async def _stream(
-    stream: RequestStream, timer: RequestTimer, writer: ChunkWriter, prompt_tokens: int, include_usage: bool
+    stream: RequestStream, timer: RequestTimer, writer: ChunkWriter, prepared: Prepared, include_usage: bool
 ) -> AsyncIterator[str]:
     reason = "aborted"
     try:
@@ -298,6 +306,7 @@ async def _stream(
         completion_tokens = 0
         index = {rid: i for i, rid in enumerate(stream.request_ids)}
         last: dict[int, TokenEvent] = {}  # each finished choice's last event
+        echoed: set[int] = set()
         failed = False
         async for output in stream:
             if output.error is not None:
@@ -307,7 +316,12 @@ async def _stream(
             timer.tokens(len(output.events))
             completion_tokens += len(output.events)
             i = index[output.request_id]
-            chunks = [c for c in (writer.token(e, i) for e in output.events) if c is not None]
+            chunks = []
+            if prepared.echo is not None and i not in echoed:  # the prompt first, once per choice
+                echoed.add(i)
+                ids = prepared.requests[0].prompt_ids
+                chunks.append(writer.echo(Echo(prepared.echo, ids, output.prompt_logprobs), i))
+            chunks += [c for c in (writer.token(e, i) for e in output.events) if c is not None]
             if output.finished and output.events:
                 last[i] = output.events[-1]
             if chunks:
@@ -319,7 +333,7 @@ async def _stream(
             timer.finish(reason)
             if include_usage:
                 stats = SpecStats.combined([e.stats or SpecStats() for _, e in sorted(last.items())])
-                yield writer.usage(prompt_tokens, completion_tokens, stats)
+                yield writer.usage(prepared.prompt_tokens, completion_tokens, stats)
         yield DONE
     finally:
         stream.abort()

@@ -98,8 +98,9 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Text | TokenIds | list[Text] | list[TokenIds]
     """Text, or token ids; a list of prompts must hold exactly one (send one request per prompt)."""
-    echo: bool | None = only(enum=[False, None])
-    """Only false is supported."""
+    echo: bool | None = None
+    """Return the prompt before the completion; with ``logprobs``, the prompt's tokens are scored
+    too (the first gets null), which is how evaluation harnesses ask for a text's likelihood."""
     suffix: str | None = only(enum=[None])
     """Not supported."""
     best_of: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
@@ -176,8 +177,9 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions format: parallel lists, one entry per output token."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """With ``echo``, the prompt's first token has null: nothing predicts it."""
+    top_logprobs: list[dict[str, float] | None]
     """The ``logprobs`` most likely tokens at each position, and the sampled one."""
     text_offset: list[int]
     """Where each token's text starts in ``text`` (a token still inside a character adds none)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from verispec.detok import token_text
-from verispec.engine import Request, SpecEngine
+from verispec.engine import Request, SpecEngine, TokenLogprobs
 from verispec.errors import VerispecError
 from verispec.metrics import SpecStats
 from verispec.server.errors import APIError
@@ -60,7 +60,6 @@ def reject_unsupported(body: SamplingRequest) -> None:
     ]
     if isinstance(body, CompletionRequest):
         refusals += [
-            (bool(body.echo), "echo", "echo is not supported"),
             (body.suffix is not None, "suffix", "suffix is not supported"),
             (body.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
         ]
@@ -113,6 +112,8 @@ class Prepared:
     prompt_tokens: int
     token_bytes: list[bytes] | None = None
     """Each token id's bytes, where the request asked for log-probabilities (names their tokens)."""
+    echo: str | None = None
+    """The prompt's text, where a completion request asked for ``echo``."""
 
 
 def build_request(
@@ -122,11 +123,12 @@ def build_request(
 ) -> Prepared:
     """Tokenize and validate ``body`` into an engine request (call on the engine thread)."""
     if isinstance(body, ChatCompletionRequest):
-        ids, source = _chat_ids(engine, body), "messages"
+        ids, source, prompt = _chat_ids(engine, body), "messages", None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
-        ids, source = _prompt_ids(engine, single_prompt(body)), "prompt"
+        prompt = single_prompt(body)
+        ids, source = _prompt_ids(engine, prompt), "prompt"
         max_tokens = body.max_tokens
         logprobs = body.logprobs
     context = engine.target.max_context
@@ -173,11 +175,26 @@ def build_request(
             else (spec.num_speculative_tokens if spec.enabled else 0),
             request_id=request_id,
             logprobs=logprobs,
+            prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
         )
         token_bytes = None if logprobs is None else engine.token_bytes()
     except VerispecError as exc:
         raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
-    return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes)
+    echo = None
+    if prompt is not None and getattr(body, "echo", False):
+        echo = prompt if isinstance(prompt, str) else _decoded(engine, ids)
+    return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo)
+
+
+def _decoded(engine: SpecEngine, ids: list[int]) -> str:
+    """A token-id prompt's text, for ``echo``."""
+    if engine.tokenizer is None:
+        raise APIError(
+            400,
+            f"echo needs a tokenizer to write the prompt, and {engine.target.name} has none",
+            param="echo",
+        )
+    return str(engine.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
 def _choices(engine: SpecEngine, request: Request, n: int) -> list[Request]:
@@ -284,6 +301,39 @@ def _finite(logprob: float | None) -> float:
     return LOWEST_LOGPROB if logprob is None or logprob < LOWEST_LOGPROB else logprob
 
 
+def prompt_logprobs_body(
+    prompt_ids: list[int], scores: list[TokenLogprobs | None], token_bytes: list[bytes]
+) -> dict[str, Any]:
+    """The completions format's lists for an echoed prompt (its first token has null entries);
+    offsets count each token's own text."""
+    tokens, logprobs, tops, offsets, offset = [], [], [], [], 0
+    for token_id, score in zip(prompt_ids, scores, strict=True):
+        token, logprob, top = _legacy(token_bytes, token_id, score)
+        tokens.append(token)
+        logprobs.append(logprob)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _legacy(
+    token_bytes: list[bytes], token_id: int, score: TokenLogprobs | None
+) -> tuple[str, float | None, dict[str, float] | None]:
+    """One token in the completions format: its name, log-probability and alternatives (the token
+    itself always among them), or nulls where it has no score (an echoed prompt's first token)."""
+    token = _named(token_bytes, token_id)[0]
+    if score is None:
+        return token, None, None
+    top = {_named(token_bytes, t)[0]: _finite(lp) for t, lp in score[1]}
+    top.setdefault(token, _finite(score[0]))
+    return token, _finite(score[0]), top
+
+
+def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, list[Any]]:
+    return {key: first[key] + then[key] for key in first}
+
+
 def logprobs_body(
     kind: Kind, events: list[TokenEvent], token_bytes: list[bytes], offset: int = 0
 ) -> dict[str, Any]:
@@ -301,11 +351,9 @@ def logprobs_body(
         return {"content": content}
     tokens, logprobs, tops, offsets = [], [], [], []
     for e in events:
-        token = _named(token_bytes, e.token_id)[0]
-        top = {_named(token_bytes, t)[0]: _finite(lp) for t, lp in e.top_logprobs}
-        top.setdefault(token, _finite(e.logprob))  # the sampled token is always listed
+        token, logprob, top = _legacy(token_bytes, e.token_id, (_finite(e.logprob), e.top_logprobs))
         tokens.append(token)
-        logprobs.append(_finite(e.logprob))
+        logprobs.append(logprob)
         tops.append(top)
         offsets.append(offset)
         offset += len(e.text)
@@ -320,16 +368,26 @@ def full_response(
     choices: list[list[TokenEvent]],
     prompt_tokens: int,
     token_bytes: list[bytes] | None = None,
+    echo: Echo | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`) of
-    each choice's events; ``token_bytes`` where the request asked for log-probabilities. The
-    statistics are the choices' together (:meth:`SpecStats.combined`)."""
+    each choice's events; ``token_bytes`` where the request asked for log-probabilities, ``echo``
+    where it asked for its prompt back. The statistics are the choices' together
+    (:meth:`SpecStats.combined`)."""
     out = []
     for index, events in enumerate(choices):
         text = "".join(e.text for e in events)
+        logprobs = None
+        if token_bytes is not None:
+            offset = len(echo.text) if echo else 0
+            logprobs = logprobs_body(kind, events, token_bytes, offset)
+            if echo is not None and echo.scores is not None:
+                logprobs = _joined(prompt_logprobs_body(echo.prompt_ids, echo.scores, token_bytes), logprobs)
+        if echo is not None:
+            text = echo.text + text
         choice: dict[str, Any] = {
             "index": index,
-            "logprobs": None if token_bytes is None else logprobs_body(kind, events, token_bytes),
+            "logprobs": logprobs,
             "finish_reason": openai_finish_reason(events[-1]),
         }
         if kind == "chat":
@@ -347,6 +405,15 @@ def full_response(
         "usage": usage(prompt_tokens, sum(len(events) for events in choices)),
         "verispec": {"stats": stats.to_dict()},
     }
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt as echoed: its text, ids and (with logprobs) the engine's scores."""
+
+    text: str
+    prompt_ids: list[int]
+    scores: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -393,6 +460,15 @@ class ChunkWriter:
             )
             for index in range(self.choices)
         )
+
+    def echo(self, echo: Echo, index: int = 0) -> str:
+        """A completion stream's first chunk for choice ``index`` under ``echo``: the prompt (and,
+        with logprobs, its tokens' log-probabilities)."""
+        logprobs = None
+        if self.token_bytes is not None and echo.scores is not None:
+            logprobs = prompt_logprobs_body(echo.prompt_ids, echo.scores, self.token_bytes)
+        self._offset[index] = len(echo.text)
+        return self._chunk([{"index": index, "text": echo.text, "logprobs": logprobs, "finish_reason": None}])
 
     def token(self, event: TokenEvent, index: int = 0) -> str | None:
         """One chunk per token with text, of choice ``index``; None for an empty-text token that is
