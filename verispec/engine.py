@@ -240,7 +240,7 @@ class SpecEngine:
         """
         if request.request_id in self._by_id:
             raise VerispecError(f"request id {request.request_id!r} is already in use")
-        behind = len(self.waiting) - max(0, self.scheduler.max_batch_size - len(self.running))
+        behind = self._behind_full_batch()
         if behind >= self.scheduler.max_waiting:
             raise QueueFullError(
                 f"{behind} requests are waiting behind a full batch (the limit); retry shortly",
@@ -269,7 +269,7 @@ class SpecEngine:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise VerispecError(f"request ids must differ, got {ids}")
-        behind = len(self.waiting) - max(0, self.scheduler.max_batch_size - len(self.running))
+        behind = self._behind_full_batch()
         if len(requests) > 1 and behind + len(requests) - 1 >= self.scheduler.max_waiting:
             raise QueueFullError(
                 f"{len(requests)} sequences would wait behind a full batch, over the limit of "
@@ -278,6 +278,11 @@ class SpecEngine:
             )
         for request in requests:
             self.add(request)
+
+    def _behind_full_batch(self) -> int:
+        """Waiting requests beyond those the next step admits into free batch slots (negative while
+        slots are free)."""
+        return len(self.waiting) - max(0, self.scheduler.max_batch_size - len(self.running))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request (its client went away); frees its cache. False if it is not here."""

@@ -306,28 +306,34 @@ def prompt_logprobs_body(
 ) -> dict[str, Any]:
     """The completions format's lists for an echoed prompt (its first token has null entries);
     offsets count each token's own text."""
-    tokens, logprobs, tops, offsets, offset = [], [], [], [], 0
-    for token_id, score in zip(prompt_ids, scores, strict=True):
-        token, logprob, top = _legacy(token_bytes, token_id, score)
+    return _legacy_body(token_bytes, list(zip(prompt_ids, scores, strict=True)), None, 0)
+
+
+def _legacy_body(
+    token_bytes: list[bytes],
+    scored: list[tuple[int, TokenLogprobs | None]],
+    texts: list[str] | None,
+    offset: int,
+) -> dict[str, Any]:
+    """The completions format's parallel lists: each token's name, log-probability and alternatives
+    (the token itself always among them; nulls where it has no score, as an echoed prompt's first
+    token), and where its text starts, counting ``texts`` (else each token's own name) from
+    ``offset``."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for i, (token_id, score) in enumerate(scored):
+        token = _named(token_bytes, token_id)[0]
         tokens.append(token)
-        logprobs.append(logprob)
-        tops.append(top)
         offsets.append(offset)
-        offset += len(token)
+        offset += len(texts[i] if texts is not None else token)
+        if score is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        top = {_named(token_bytes, t)[0]: _finite(lp) for t, lp in score[1]}
+        top.setdefault(token, _finite(score[0]))
+        logprobs.append(_finite(score[0]))
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _legacy(
-    token_bytes: list[bytes], token_id: int, score: TokenLogprobs | None
-) -> tuple[str, float | None, dict[str, float] | None]:
-    """One token in the completions format: its name, log-probability and alternatives (the token
-    itself always among them), or nulls where it has no score (an echoed prompt's first token)."""
-    token = _named(token_bytes, token_id)[0]
-    if score is None:
-        return token, None, None
-    top = {_named(token_bytes, t)[0]: _finite(lp) for t, lp in score[1]}
-    top.setdefault(token, _finite(score[0]))
-    return token, _finite(score[0]), top
 
 
 def _joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, list[Any]]:
@@ -349,15 +355,8 @@ def logprobs_body(
                 top.append({"token": name, "logprob": _finite(logprob), "bytes": alt})
             content.append({"token": token, "logprob": _finite(e.logprob), "bytes": raw, "top_logprobs": top})
         return {"content": content}
-    tokens, logprobs, tops, offsets = [], [], [], []
-    for e in events:
-        token, logprob, top = _legacy(token_bytes, e.token_id, (_finite(e.logprob), e.top_logprobs))
-        tokens.append(token)
-        logprobs.append(logprob)
-        tops.append(top)
-        offsets.append(offset)
-        offset += len(e.text)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+    scored = [(e.token_id, (_finite(e.logprob), e.top_logprobs)) for e in events]
+    return _legacy_body(token_bytes, scored, [e.text for e in events], offset)
 
 
 def full_response(
