@@ -44,6 +44,21 @@ def test_generate_json_with_token_id_prompt(tiny_folders):
     assert set(stats["seconds"]) == {"total", "draft", "verify", "other"}
 
 
+def test_generate_with_penalties_matches_plain(tiny_folders):
+    target, draft = tiny_folders
+    common = ["generate", "--target", str(target), "--prompt", "5 17 42 8 9", "--max-new-tokens", "16"]
+    common.append("--json")
+    out = run_cli(
+        *common, "--draft", str(draft), "-k", "3", "--depth-policy", "fixed", "--compare-plain",
+        "--repetition-penalty", "1.3", "--frequency-penalty", "0.5",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["matches_plain"] is True and result["stats"]["accepted"] > 0
+    unpenalised = json.loads(run_cli(*common, "--method", "ngram").stdout)
+    assert result["token_ids"] != unpenalised["token_ids"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -52,6 +67,8 @@ def test_generate_json_with_token_id_prompt(tiny_folders):
         (["-k", "500"], "num_speculative_tokens"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
+        (["--presence-penalty", "3"], "presence_penalty"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
         (["--method", "draft"], "draft model"),
     ],
 )

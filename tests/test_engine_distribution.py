@@ -24,6 +24,7 @@ from tests.tree_proposer import TopTwoTree
 from verispec.config import DraftModelConfig, SamplingConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
+from verispec.penalties import Penalties
 from verispec.proposers.base import build_proposer
 from verispec.sampling import logits_to_probs, sample
 from verispec.types import Draft, VerifyResult
@@ -95,17 +96,46 @@ def prefix_logits(target: HFCausalLM) -> list[torch.Tensor]:
     return logits
 
 
-def exact_joint(prefix_logits: list[torch.Tensor], sampling: SamplingConfig) -> torch.Tensor:
-    """[VOCAB] * LENGTH: the probability that the target alone samples each sequence of LENGTH tokens."""
+def exact_joint(
+    prefix_logits: list[torch.Tensor], sampling: SamplingConfig, penalties: Penalties | None = None
+) -> torch.Tensor:
+    """[VOCAB] * LENGTH: the probability that the target alone samples each sequence of LENGTH tokens,
+    with ``penalties`` applied to each prefix's row as plain decoding would."""
     joint = torch.ones((), dtype=torch.float64)
     for n, logits in enumerate(prefix_logits):
+        if penalties is not None:
+            logits = penalized(logits, penalties, n)
         probs = logits_to_probs(logits, sampling).double()  # [VOCAB**n, VOCAB]
         joint = joint.unsqueeze(-1) * probs.reshape([VOCAB] * (n + 1))
     return joint
 
 
-def generate_all(engine: SpecEngine, sampling: SamplingConfig, seeds: range) -> tuple[torch.Tensor, dict]:
+def penalized(logits: torch.Tensor, penalties: Penalties, n: int) -> torch.Tensor:
+    """vLLM's rules written out for [VOCAB**n, VOCAB] rows after PROMPT and every n-token prefix:
+    the reference, independent of :func:`verispec.penalties.adjust_logits` and its per-row paths."""
+    prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=n)), dtype=torch.long)
+    counts = torch.nn.functional.one_hot(prefixes.reshape(VOCAB**n, n), VOCAB).sum(dim=1).double()
+    out = logits.double().clone()
+    for token, bias in penalties.logit_bias:
+        out[:, token] += bias
+    seen = (counts > 0) | torch.isin(torch.arange(VOCAB), torch.tensor(PROMPT))
+    rep = penalties.repetition
+    out = torch.where(seen, torch.where(out > 0, out / rep, out * rep), out)
+    return out - penalties.frequency * counts - penalties.presence * (counts > 0).double()
+
+
+def generate_all(
+    engine: SpecEngine, sampling: SamplingConfig, seeds: range, penalties: Penalties | None = None
+) -> tuple[torch.Tensor, dict]:
     """[len(seeds), LENGTH] generated tokens, one sequence per seed, and the summed acceptance stats."""
+    extra = {}
+    if penalties is not None:
+        extra = {
+            "presence_penalty": penalties.presence,
+            "frequency_penalty": penalties.frequency,
+            "repetition_penalty": penalties.repetition,
+            "logit_bias": dict(penalties.logit_bias),
+        }
     sequences = []
     totals = {"drafted": 0, "accepted": 0, "drafted_at": [0] * 8, "accepted_at": [0] * 8}
     for seed in seeds:
@@ -116,6 +146,7 @@ def generate_all(engine: SpecEngine, sampling: SamplingConfig, seeds: range) -> 
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             seed=seed,
+            **extra,
         )
         assert len(gen.token_ids) == LENGTH
         sequences.append(gen.token_ids)
@@ -147,10 +178,13 @@ def describe(checks: dict[str, tuple[float, float]]) -> str:
 
 
 def assert_follows_target(
-    tokens: torch.Tensor, prefix_logits: list[torch.Tensor], sampling: SamplingConfig
+    tokens: torch.Tensor,
+    prefix_logits: list[torch.Tensor],
+    sampling: SamplingConfig,
+    penalties: Penalties | None = None,
 ) -> None:
     """Every chi-square check passes at ALPHA: the sampled ``tokens`` follow the target's own joint."""
-    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
+    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling, penalties))
     failed = {name: result for name, result in checks.items() if result[1] <= ALPHA}
     assert not failed, describe(checks)
 
@@ -231,3 +265,37 @@ def test_token_tree_engine_samples_the_target_distribution(target, draft, prefix
     tokens, totals = generate_all(engine, sampling, SEEDS)
     assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals  # both depths used, not always
     assert_follows_target(tokens, prefix_logits, sampling)
+
+
+# Strong enough that a row adjusted for the wrong context is far off: token 2 is pushed up, and every
+# repeat is pushed down (PROMPT's tokens by the repetition penalty from the start).
+PENALTIES = Penalties(presence=0.5, frequency=1.0, repetition=1.5, logit_bias=((2, 1.5), (7, -3.0)))
+
+
+def test_penalties_keep_speculation_exact(target, draft, prefix_logits):
+    """Each verified row is penalised for its own context (committed tokens plus the drafts before it),
+    so the output follows the penalised target, not the plain one."""
+    sampling = SamplingConfig(temperature=1.0)
+    tokens, totals = generate_all(make_engine(target, draft, 3), sampling, SEEDS, PENALTIES)
+    assert 0 < totals["accepted_at"][2] < totals["drafted_at"][2], totals
+    assert_follows_target(tokens, prefix_logits, sampling, PENALTIES)
+    plain = distribution_checks(tokens, exact_joint(prefix_logits, sampling))
+    assert min(p for _, p in plain.values()) < ALPHA, describe(plain)  # the penalties did change it
+
+
+def test_penalties_keep_token_trees_exact(target, draft, prefix_logits):
+    spec = SpecConfig(method="draft", num_speculative_tokens=2, depth="fixed")
+    sampling = SamplingConfig(temperature=1.0)
+    tokens, totals = generate_all(SpecEngine(target, TopTwoTree(draft), spec), sampling, SEEDS, PENALTIES)
+    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
+    assert_follows_target(tokens, prefix_logits, sampling, PENALTIES)
+
+
+def test_penalties_for_the_wrong_context_fail_the_check(target, draft, prefix_logits, monkeypatch):
+    """Power: penalising every row as if no draft token came before it (the easy mistake) is caught."""
+    monkeypatch.setattr("verispec.engine.chain_paths", lambda drafted: [[] for _ in range(len(drafted) + 1)])
+    sampling = SamplingConfig(temperature=1.0)
+    tokens, totals = generate_all(make_engine(target, draft, 3), sampling, SEEDS[:300], PENALTIES)
+    assert totals["accepted"] > 0
+    checks = distribution_checks(tokens, exact_joint(prefix_logits, sampling, PENALTIES))
+    assert min(p for _, p in checks.values()) < ALPHA, describe(checks)

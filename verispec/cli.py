@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = disabled")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0 = off")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0 = off")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="transformers'/vLLM's, > 0; 1 = off"
+    )
     add_load_flags(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with text, token ids and stats"
@@ -273,9 +278,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from verispec.config import SamplingConfig
+    from verispec.penalties import Penalties
 
     # Validate every cheap setting before spending a minute loading models.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
     if args.max_new_tokens < 1:
         raise VerispecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -296,6 +303,9 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     color = args.show_drafts or (sys.stdout.isatty() and not args.json)
     if args.compare_plain and engine.proposer is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from itertools import count
@@ -38,6 +38,7 @@ from verispec.detok import IncrementalDetokenizer, token_bytes_table
 from verispec.errors import QueueFullError, VerispecError
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
+from verispec.penalties import Penalties, adjust_logits, chain_paths, tree_paths
 from verispec.policy import (
     AcceptanceEstimate,
     AcceptancePrior,
@@ -73,6 +74,8 @@ class Request:
     """None: no log-probabilities; n: each token's, with the n most likely tokens at its position."""
     prompt_logprobs: int | None = None
     """The same for the prompt's tokens (scoring a text, as ``echo`` with ``logprobs`` asks)."""
+    penalties: Penalties | None = None
+    """Logit bias and repetition penalties, applied to each verified row for its own context."""
 
 
 @dataclass
@@ -186,6 +189,10 @@ class SpecEngine:
         request_id: str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> Request:
         """Validate a request; raises :class:`VerispecError` with a message fit for the user.
 
@@ -194,11 +201,17 @@ class SpecEngine:
         log-probability under the target plus that many (<= :data:`MAX_LOGPROBS`) most likely
         tokens (``TokenEvent.logprob`` and ``top_logprobs``); ``prompt_logprobs`` the same for the
         prompt's tokens (``RequestOutput.prompt_logprobs``, ``Generation.prompt_logprobs``).
+        Penalties and ``logit_bias`` (token id -> value added to its logit) follow vLLM's rules
+        (:mod:`verispec.penalties`); log-probabilities stay the target's raw ones, as vLLM's default.
         """
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise VerispecError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        penalties = Penalties(
+            presence_penalty, frequency_penalty, repetition_penalty, tuple((logit_bias or {}).items())
+        )
+        penalties.check_vocab(self.target.vocab_size)
         if max_new_tokens < 1:
             raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = self.encode(prompt)
@@ -228,6 +241,7 @@ class SpecEngine:
             k,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            penalties=penalties if penalties.active else None,
             **extra,
         )
 
@@ -424,9 +438,10 @@ class SpecEngine:
         outputs, accepted = [], []
         lossy = self.spec.acceptance == "typical"  # Medusa's typical acceptance: LOSSY, opt-in only
         for b, (seq, draft, logits) in enumerate(zip(seqs, drafts, out.logits, strict=True)):
+            judged = _adjusted(seq, draft, logits)
             if isinstance(draft, DraftTree):
                 verify_tree_with = typical.verify_tree if lossy else verify_tree
-                tree_result = verify_tree_with(draft, logits, seq.request.sampling, seq.generator)
+                tree_result = verify_tree_with(draft, judged, seq.request.sampling, seq.generator)
                 kept_rows = [0] + [i + 1 for i in tree_result.path]
                 seq.cache.compact(starts[b], kept_rows)
                 tokens, num_accepted, depth = tree_result.tokens, tree_result.num_accepted, _depth(draft)
@@ -434,7 +449,7 @@ class SpecEngine:
                     self.tree_calibration.observe(float(draft.scores.exp().sum()), num_accepted)
             else:
                 result = (typical.verify if lossy else verify)(
-                    draft, logits, seq.request.sampling, seq.generator
+                    draft, judged, seq.request.sampling, seq.generator
                 )
                 seq.cache.trim(draft.k - result.num_accepted)
                 tokens, num_accepted, depth = result.tokens, result.num_accepted, draft.k
@@ -766,6 +781,21 @@ def _generation(
         events=events,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _adjusted(seq: SeqState, draft: Draft | DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """The target's rows as the verifier must judge them: with the request's penalties, each row for
+    the context it was computed in (the committed tokens plus the draft tokens before it)."""
+    penalties = seq.request.penalties
+    if penalties is None:
+        return logits
+    drafted = draft.tokens.tolist()
+    if isinstance(draft, DraftTree):
+        paths = tree_paths(drafted, draft.parents.tolist())
+    else:
+        paths = chain_paths(drafted)
+    prompt_len = seq.prompt_len
+    return adjust_logits(logits, penalties, seq.token_ids[:prompt_len], seq.token_ids[prompt_len:], paths)
 
 
 def _speculation_cap(seq: SeqState) -> int:

@@ -107,3 +107,28 @@ def test_echo_scores_a_greedy_continuation_as_greedy(server):
     )
     made = written.choices[0].logprobs.token_logprobs[: len(ids) - len(prompt)]
     assert lp.token_logprobs[rest] == pytest.approx(made, abs=0.05)
+
+
+def test_penalties_and_logit_bias_are_lossless_with_speculation(server):
+    """OpenAI's penalties and logit_bias through the real server: speculation on and off agree token
+    for token, drafts are still accepted, and a banned token never appears."""
+    plain = chat(server, {"enabled": False})[0]
+    fox = server.on_engine(lambda engine: engine.tokenizer.encode(" fox", add_special_tokens=False))
+    assert len(fox) == 1 and "fox" in plain
+
+    def ask(enabled: bool) -> Any:
+        return server.client().chat.completions.create(
+            model="smollm2",
+            messages=MESSAGES,
+            max_tokens=48,
+            temperature=0,
+            frequency_penalty=0.3,
+            logit_bias={str(fox[0]): -100},
+            extra_body={"speculation": {"enabled": enabled}, "repetition_penalty": 1.1},
+        )
+
+    on, off = ask(True), ask(False)
+    text = on.choices[0].message.content
+    assert text == off.choices[0].message.content and text != plain
+    assert " fox" not in text, text
+    assert on.model_extra["verispec"]["stats"]["accepted"] > 0

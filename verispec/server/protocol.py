@@ -3,7 +3,7 @@
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
 clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (penalties, tools, ``best_of``) are
+change the result in ways this server does not implement (tools, ``suffix``, ``best_of``) are
 declared so that a request asking for them gets a 400 that names them, never a silently different
 answer. Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks
 are documented in :mod:`verispec.server`.
@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
+from verispec.penalties import MAX_PENALTY
 
 MAX_STOP_STRINGS = 16
 """More stop strings than this is almost certainly a client bug (OpenAI allows 4)."""
@@ -83,12 +84,19 @@ class SamplingRequest(_Strict):
     n: integer(ge=1, le=MAX_CHOICES) | None = None  # type: ignore[valid-type]
     """Choices to generate, each its own sequence in the batch (sampled independently; with a
     ``seed``, choice i uses seed + i)."""
-    presence_penalty: float | None = only(enum=[0, None])
-    """Only 0 is supported."""
-    frequency_penalty: float | None = only(enum=[0, None])
-    """Only 0 is supported."""
-    logit_bias: dict[str, float] | None = only(maxProperties=0)
-    """Only empty is supported."""
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    """Subtracted from the logit of every token already in the output (before temperature)."""
+    frequency_penalty: float | None = Field(
+        default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False
+    )
+    """Subtracted from a token's logit once per time it is already in the output."""
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Extension (as in vLLM and transformers): a token seen in the prompt or the output has a
+    positive logit divided by it and a negative one multiplied; 1 is off."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's format) to a value in [-100, 100] added to its logit.
+    Penalties and bias keep speculation lossless: each drafted position is judged with the
+    penalties of its own context (see :mod:`verispec.penalties`)."""
     speculation: SpeculationOptions | None = None
     """verispec extension: per-request speculation settings."""
 

@@ -53,11 +53,7 @@ def check_model(body: SamplingRequest, served: str) -> None:
 
 def reject_unsupported(body: SamplingRequest) -> None:
     """400 for options that would change the answer in ways this server does not implement."""
-    refusals: list[tuple[bool, str, str]] = [
-        (bool(body.presence_penalty), "presence_penalty", "presence_penalty is not supported (only 0)"),
-        (bool(body.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported (only 0)"),
-        (bool(body.logit_bias), "logit_bias", "logit_bias is not supported"),
-    ]
+    refusals: list[tuple[bool, str, str]] = []
     if isinstance(body, CompletionRequest):
         refusals += [
             (body.suffix is not None, "suffix", "suffix is not supported"),
@@ -176,6 +172,10 @@ def build_request(
             request_id=request_id,
             logprobs=logprobs,
             prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias),
         )
         token_bytes = None if logprobs is None else engine.token_bytes()
     except VerispecError as exc:
@@ -184,6 +184,16 @@ def build_request(
     if prompt is not None and getattr(body, "echo", False):
         echo = prompt if isinstance(prompt, str) else _decoded(engine, ids)
     return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys as token ids (the engine checks the ids against the vocabulary)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _decoded(engine: SpecEngine, ids: list[int]) -> str:
@@ -266,6 +276,10 @@ def _param_of(message: str) -> str | None:
         ("stop", "stop"),
         ("max_new_tokens", "max_tokens"),
         ("logprobs", "logprobs"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("logit_bias", "logit_bias"),
     ):
         if message.startswith(setting):
             return param

@@ -1,0 +1,131 @@
+"""Logit bias and repetition penalties, applied so that speculation stays lossless.
+
+These adjustments depend on the text so far, so in a verification forward every row of the
+target's logits has its own context: row j of a chain comes after the committed tokens plus draft
+tokens ``0..j-1``; row i + 1 of a tree after the committed tokens plus the path to node i. Each row
+is adjusted for exactly that context, which makes it the row plain decoding would have adjusted
+at the same point. The verifiers then see the adjusted rows and keep what they keep, so the
+output follows the adjusted target distribution exactly, whatever the proposer drafted from.
+
+Semantics and order are vLLM's (what an OpenAI-API user migrating from it expects): ``logit_bias``
+is added first; then the repetition penalty (transformers' rule: a positive logit is divided by
+it, a negative one multiplied) on every token seen in the prompt or the output; then
+``mu[t] -= frequency * c[t] + presence * (c[t] > 0)`` with ``c`` counted over output tokens only.
+All of this comes before temperature, top-k and top-p (:func:`verispec.sampling.logits_to_probs`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verispec.errors import VerispecError
+
+MAX_PENALTY = 2.0
+"""OpenAI's range for presence and frequency penalties is [-2, 2]."""
+MAX_BIAS = 100.0
+"""OpenAI's range for a logit bias is [-100, 100]: -100 bans a token, 100 forces it."""
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """A request's context-dependent logit adjustments; the defaults change nothing."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    """1 is off; above 1 discourages repeating prompt or output tokens, below 1 encourages it."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, value added to its logit) pairs."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise VerispecError(
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}"
+                )
+        if not (math.isfinite(self.repetition) and self.repetition > 0):
+            raise VerispecError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise VerispecError(f"logit_bias token ids must be >= 0, got {token}")
+            if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise VerispecError(f"logit_bias values must be between -100 and 100, got {bias} for {token}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse a bias on a token id the model does not have."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise VerispecError(
+                f"logit_bias names token id {bad[0]}, but the vocabulary has {vocab_size} ids"
+            )
+
+
+def adjust_logits(
+    logits: torch.Tensor,  # [R, V]
+    penalties: Penalties,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    row_paths: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Return ``logits`` adjusted row by row; row r's context is the prompt, the output so far, then
+    ``row_paths[r]`` (tokens drafted before that row, counted as output).
+
+    The shared part (prompt and output) is applied to all rows at once; only the few tokens on each
+    row's path are corrected one by one, so a 60-node tree costs a handful of scalar updates.
+    """
+    if len(row_paths) != logits.shape[0]:
+        raise ValueError(f"need one path per row: {len(row_paths)} paths for {logits.shape[0]} rows")
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if penalties.logit_bias:
+        ids = torch.tensor([t for t, _ in penalties.logit_bias], dtype=torch.long)
+        values = torch.tensor([b for _, b in penalties.logit_bias], dtype=out.dtype)
+        out[:, ids] += values
+    counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
+    seen = counts > 0
+    if penalties.repetition != 1.0:
+        seen_all = seen.clone()
+        seen_all[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        out = torch.where(seen_all, _repeated(out, penalties.repetition), out)
+    out -= penalties.frequency * counts.to(out.dtype) + penalties.presence * seen.to(out.dtype)
+    for row, path in enumerate(row_paths):
+        if not path:
+            continue
+        extra = torch.tensor(sorted(Counter(path).items()), dtype=torch.long)  # [n, 2]: token, times
+        tokens, times = extra[:, 0], extra[:, 1]
+        if penalties.repetition != 1.0:  # first seen on this row's path; their logits are still raw
+            new = tokens[~seen_all[tokens]]
+            out[row, new] = _repeated(out[row, new], penalties.repetition)
+        before = counts[tokens]
+        out[row, tokens] -= penalties.frequency * times.to(out.dtype) + penalties.presence * (
+            (before == 0).to(out.dtype)
+        )
+    return out
+
+
+def _repeated(logits: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty: toward zero if positive, further down if negative."""
+    return torch.where(logits > 0, logits / penalty, logits * penalty)
+
+
+def chain_paths(draft_tokens: Sequence[int]) -> list[list[int]]:
+    """Row j of a chain's verification comes after draft tokens 0..j-1."""
+    return [list(draft_tokens[:j]) for j in range(len(draft_tokens) + 1)]
+
+
+def tree_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
+    """Row 0 is the root's (no drafted tokens before it); row i + 1 comes after the path to node i,
+    node i included."""
+    paths: list[list[int]] = [[]]
+    for token, parent in zip(tokens, parents, strict=True):
+        paths.append([*paths[parent + 1], token])
+    return paths
