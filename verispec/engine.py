@@ -714,11 +714,20 @@ class SpecEngine:
         """Generate a reply to chat ``messages`` through the model's chat template."""
         return self.generate(self.apply_chat_template(messages), **kwargs)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` through the model's chat template, ready for the reply;
+        ``tools`` (OpenAI's function definitions) are shown to the model where its template takes them."""
         tok = self._require_tokenizer("chat messages")
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise VerispecError(f"{self.target.name} has no chat template; send a plain prompt instead")
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if tools and "tools" not in template:
+            raise VerispecError(f"{self.target.name}'s chat template does not take tools")
+        ids = tok.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]

@@ -132,7 +132,10 @@ def test_bad_completion_requests_are_400(server, body, param, code):
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
             "top_logprobs",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, None),
         ({"messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
     ],

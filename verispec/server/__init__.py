@@ -8,7 +8,16 @@ Extensions to OpenAI's request bodies (the openai client sends them through ``ex
 
 - ``"speculation": {"enabled": true, "num_speculative_tokens": null}``: per-request speculation;
   ``enabled: false`` decodes plainly, a number caps the draft length (at most the server's ``-k``);
-- ``"top_k"``: keep the k most likely tokens (0 or -1 disables).
+- ``"top_k"``: keep the k most likely tokens (0 or -1 disables);
+- ``"repetition_penalty"``: vLLM's and transformers' (1 is off). OpenAI's ``presence_penalty``,
+  ``frequency_penalty`` and ``logit_bias`` are taken as well (:mod:`verispec.penalties`).
+
+Tools (chat ``tools``, ``tool_choice`` ``auto`` or ``none``): the model sees them through its chat
+template, and a call in its reply (a Hermes ``<tool_call>`` block, or a reply that opens with a JSON
+call, see :mod:`verispec.server.tools`) comes back as ``message.tool_calls`` with ``finish_reason``
+``"tool_calls"``. Streamed, text that may be a call is held back, and each call arrives whole in one
+chunk's ``delta.tool_calls`` (``index``, ``id``, ``type``, ``function.name``, ``function.arguments``);
+such a chunk's ``verispec`` names the last token it holds.
 
 With ``n`` > 1 every choice is its own sequence; stream chunks carry one choice each, told apart by
 ``choices[0].index`` (chat opens with one role chunk per choice), each choice ends with its own
@@ -45,7 +54,8 @@ Stream format (``"stream": true``), server-sent events, each ``data: <json>\\n\\
    accepted by the target, false for the target's own tokens (the corrected or bonus token of a
    step, or any token of plain decoding);
 3. the last token's chunk always comes, even with empty text, and has ``finish_reason`` ``"stop"``
-   (a stop string or the model's end-of-sequence token) or ``"length"`` (``max_tokens`` reached);
+   (a stop string or the model's end-of-sequence token), ``"length"`` (``max_tokens`` reached) or,
+   with tools, ``"tool_calls"``;
 4. with ``"stream_options": {"include_usage": true}``: a chunk with ``"choices": []``,
    ``"usage": {"prompt_tokens", "completion_tokens", "total_tokens"}`` and
    ``"verispec": {"stats": {...}}`` (as in non-streaming responses);

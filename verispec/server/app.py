@@ -230,7 +230,13 @@ async def _generate(
     created = int(time.time())
     if body.stream:
         writer = ChunkWriter(
-            kind, request_id, created, state.model, prepared.token_bytes, len(prepared.requests)
+            kind,
+            request_id,
+            created,
+            state.model,
+            prepared.token_bytes,
+            len(prepared.requests),
+            prepared.tools,
         )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(stream, timer, writer, prepared, include_usage)
@@ -264,7 +270,15 @@ async def _generate(
     choices, scores = collect.result()
     echo = None if prepared.echo is None else Echo(prepared.echo, prepared.requests[0].prompt_ids, scores)
     return full_response(
-        kind, request_id, created, state.model, choices, prepared.prompt_tokens, prepared.token_bytes, echo
+        kind,
+        request_id,
+        created,
+        state.model,
+        choices,
+        prepared.prompt_tokens,
+        prepared.token_bytes,
+        echo,
+        prepared.tools,
     )
 
 

@@ -3,7 +3,8 @@
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
 clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (tools, ``suffix``, ``best_of``) are
+change the result in ways this server does not implement (``suffix``, ``best_of``, a forced
+``tool_choice``) are
 declared so that a request asking for them gets a 400 that names them, never a silently different
 answer. Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks
 are documented in :mod:`verispec.server`.
@@ -22,6 +23,8 @@ MAX_STOP_STRINGS = 16
 """More stop strings than this is almost certainly a client bug (OpenAI allows 4)."""
 MAX_CHOICES = 128
 """Most choices (``n``) per request, as OpenAI allows."""
+MAX_TOOLS = 128
+"""Most tools per request, as OpenAI allows."""
 
 
 def _integral(value: object) -> object:
@@ -124,11 +127,42 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+    """The arguments as a JSON object encoded in a string, as OpenAI sends them."""
+
+
+class MessageToolCall(_Strict):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     """``developer`` (OpenAI's newer name for ``system``) is sent to the template as ``system``."""
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema of the arguments, shown to the model through the chat template."""
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -142,8 +176,17 @@ class ChatCompletionRequest(SamplingRequest):
     temperature, top-k and top-p) in ``choices[0].logprobs.content``."""
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
     """With ``logprobs``: also the most likely tokens at each position, this many."""
-    tools: list[dict[str, Any]] | None = only(maxItems=0)
-    """Not supported."""
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    """Functions the model may call, shown to it through its chat template (the template must take
+    tools, as Qwen2.5's does); calls come back in OpenAI's ``tool_calls`` (see
+    :mod:`verispec.server.tools`)."""
+    tool_choice: str | dict[str, Any] | None = Field(
+        default=None, json_schema_extra={"enum": ["none", "auto", None]}
+    )
+    """``auto`` (the default with tools) lets the model choose; ``none`` hides the tools from it.
+    ``required`` and a named function are refused: they need constrained decoding."""
+    parallel_tool_calls: bool | None = None
+    """Accepted; the model may always make several calls in one reply."""
     response_format: dict[str, Any] | None = only(properties={"type": {"enum": ["text"]}})
     """Only ``{"type": "text"}`` is supported."""
 
@@ -212,14 +255,16 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """Null when the reply is only tool calls."""
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

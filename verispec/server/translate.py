@@ -23,8 +23,10 @@ from verispec.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    MessageToolCall,
     SamplingRequest,
 )
+from verispec.server.tools import ToolCallStream, parse_tool_calls
 from verispec.types import TokenEvent
 
 GREEDY_BELOW = 1e-5
@@ -67,7 +69,17 @@ def reject_unsupported(body: SamplingRequest) -> None:
                 "top_logprobs",
                 "top_logprobs needs logprobs: true",
             ),
-            (bool(body.tools), "tools", "tools are not supported"),
+            (
+                body.tool_choice not in (None, "none", "auto"),
+                "tool_choice",
+                f"tool_choice {body.tool_choice!r} is not supported: 'required' and a named function need "
+                "constrained decoding; use 'auto' (the model chooses) or 'none'",
+            ),
+            (
+                body.tool_choice == "auto" and not body.tools,
+                "tool_choice",
+                "tool_choice 'auto' needs tools",
+            ),
             (fmt != "text", "response_format", 'only response_format {"type": "text"} is supported'),
         ]
     for refused, param, message in refusals:
@@ -89,16 +101,32 @@ def single_prompt(body: CompletionRequest) -> str | list[int]:
     return prompt  # type: ignore[return-value]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as chat templates expect them: text content, ``developer`` as ``system``."""
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content, ``developer`` as ``system``, earlier
+    tool calls with their arguments decoded (templates write them with ``tojson``)."""
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or [])
-        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [
+                _template_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(m.tool_calls)
+            ]
         out.append(message)
     return out
+
+
+def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"{where}.function.arguments is not JSON: {exc}", param=where) from exc
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -110,6 +138,9 @@ class Prepared:
     """Each token id's bytes, where the request asked for log-probabilities (names their tokens)."""
     echo: str | None = None
     """The prompt's text, where a completion request asked for ``echo``."""
+    tools: frozenset[str] | None = None
+    """The names of the tools offered, where the reply is parsed for calls (a chat request with
+    tools, not ``tool_choice: none``)."""
 
 
 def build_request(
@@ -183,7 +214,9 @@ def build_request(
     echo = None
     if prompt is not None and getattr(body, "echo", False):
         echo = prompt if isinstance(prompt, str) else _decoded(engine, ids)
-    return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo)
+    offered = _offered_tools(body) if isinstance(body, ChatCompletionRequest) else None
+    tools = None if offered is None else frozenset(t["function"]["name"] for t in offered)
+    return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo, tools)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -246,20 +279,28 @@ def _prompt_ids(engine: SpecEngine, prompt: str | list[int]) -> list[int]:
         raise APIError(400, str(exc), param="prompt") from exc
 
 
+def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools the template shows the model: none under ``tool_choice: none``."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in body.tools]
+
+
 def _chat_ids(engine: SpecEngine, body: ChatCompletionRequest) -> list[int]:
     messages = chat_messages(body.messages)
     limit = engine.target.max_context * MAX_CHARS_PER_TOKEN
-    if sum(len(m["content"]) for m in messages) > limit:
+    if sum(len(m["content"] or "") for m in messages) > limit:
         raise APIError(
             400,
             "the messages are far longer than the model's context",
             param="messages",
             code="context_length_exceeded",
         )
+    tools = _offered_tools(body)
     try:
-        return engine.apply_chat_template(messages)
+        return engine.apply_chat_template(messages, tools)
     except VerispecError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
+        raise APIError(400, str(exc), param="tools" if tools and "tools" in str(exc) else "messages") from exc
     except Exception as exc:  # the template's own checks (role order, ...) raise jinja errors
         raise APIError(
             400, f"the chat template cannot render these messages: {exc}", param="messages"
@@ -382,11 +423,12 @@ def full_response(
     prompt_tokens: int,
     token_bytes: list[bytes] | None = None,
     echo: Echo | None = None,
+    tools: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`) of
     each choice's events; ``token_bytes`` where the request asked for log-probabilities, ``echo``
-    where it asked for its prompt back. The statistics are the choices' together
-    (:meth:`SpecStats.combined`)."""
+    where it asked for its prompt back, ``tools`` (their names) where the reply may hold calls. The
+    statistics are the choices' together (:meth:`SpecStats.combined`)."""
     out = []
     for index, events in enumerate(choices):
         text = "".join(e.text for e in events)
@@ -405,6 +447,11 @@ def full_response(
         }
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
+            content, calls = parse_tool_calls(text, tools) if tools is not None else (text, [])
+            if calls:
+                bodies = [c.body() for c in calls]
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": bodies}
+                choice["finish_reason"] = "tool_calls" if events[-1].finish_reason != "length" else "length"
         else:
             choice["text"] = text
         out.append(choice)
@@ -440,9 +487,13 @@ class ChunkWriter:
     token_bytes: list[bytes] | None = None
     """Set where the request asked for log-probabilities."""
     choices: int = 1
+    tools: frozenset[str] | None = None
+    """The names of the tools offered, where replies are parsed for calls (text is held back while
+    it may be a call)."""
     _held: dict[int, list[TokenEvent]] = field(default_factory=dict)
     """Per choice, tokens whose log-probabilities wait for its next chunk (their text was held back)."""
     _offset: dict[int, int] = field(default_factory=dict)
+    _calls: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         payload = {
@@ -488,9 +539,18 @@ class ChunkWriter:
         not the last."""
         held = self._held.setdefault(index, [])
         held.append(event)
-        if not event.text and event.finish_reason is None:
+        text, calls = event.text, []
+        if self.tools is not None:
+            parser = self._calls.setdefault(index, ToolCallStream(self.tools))
+            text, calls = parser.feed(text)
+            if event.finish_reason is not None:
+                rest, last = parser.finish()
+                text, calls = text + rest, calls + last
+        if not text and not calls and event.finish_reason is None:
             return None
         finish = openai_finish_reason(event) if event.finish_reason is not None else None
+        if finish == "stop" and self.tools is not None and self._calls[index].sent:
+            finish = "tool_calls"
         logprobs = None
         if self.token_bytes is not None:  # this chunk's token and any held back before it
             offset = self._offset.get(index, 0)
@@ -499,9 +559,13 @@ class ChunkWriter:
         self._held[index] = []
         choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.kind == "chat":
-            choice["delta"] = {"content": event.text}
+            choice["delta"] = {"content": text}
+            if calls:
+                first = self._calls[index].sent - len(calls)
+                deltas = [c.body(first + j) for j, c in enumerate(calls)]
+                choice["delta"] = {"content": text or None, "tool_calls": deltas}
         else:
-            choice["text"] = event.text
+            choice["text"] = text
         return self._chunk([choice], verispec={"from_draft": event.from_draft, "token_id": event.token_id})
 
     def usage(self, prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> str:
