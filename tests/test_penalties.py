@@ -108,6 +108,14 @@ def test_greedy_speculation_with_penalties_equals_plain(tiny_target, tiny_draft,
     assert drafted > 0 and accepted > 0
 
 
+def test_the_draft_model_drafts_with_the_penalties(tiny_target):
+    """The target as its own draft: every draft is accepted only if the draft is penalised the same
+    way, position by position, as the target's rows it is judged against."""
+    spec = make_engine(tiny_target, tiny_target, "draft", k=4)
+    gen = spec.generate(PROMPTS[0], max_new_tokens=30, **STRONG)
+    assert gen.stats.num_drafted > 0 and gen.stats.num_accepted == gen.stats.num_drafted
+
+
 def test_repetition_penalty_matches_transformers(tiny_target, tiny_draft):
     """An independent reference: transformers' own greedy ``generate`` with its repetition penalty."""
     spec = make_engine(tiny_target, tiny_draft, "draft", k=4)

@@ -323,6 +323,8 @@ class SpecEngine:
             seq = self.waiting.popleft()
             if self.proposer is not None:
                 seq.proposer_state = self.proposer.new_state(seq.request.prompt_ids, seq.request.sampling)
+                if seq.request.penalties is not None:
+                    self.proposer.use_penalties(seq.proposer_state, seq.request.penalties, seq.prompt_len)
             self.running.append(seq)
         outputs: list[RequestOutput] = []
         self._prefill(outputs)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.penalties import Penalties
     from verispec.verify.tree import DraftTree
 
 
@@ -52,6 +53,12 @@ class Proposer(ABC):
         :class:`~verispec.verify.tree.DraftTree` (several candidates per position) may be at most k
         deep.
         """
+
+    def use_penalties(self, state: Any, penalties: Penalties, prompt_len: int) -> None:
+        """Draft this sequence with its request's penalties and logit bias, so that drafts agree
+        with the penalised target more often. Verification is exact either way (it judges the
+        target's penalised rows against whatever the proposer drafted from); the default ignores them."""
+        return None
 
     def max_tree_size(self, k: int) -> int:
         """The most nodes a draft ``k`` deep may have (a chain: k)."""

@@ -18,6 +18,7 @@ import torch
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM, KVCache
+from verispec.penalties import Penalties, adjust_logits
 from verispec.proposers.base import Proposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
 from verispec.types import Draft
@@ -40,6 +41,8 @@ class DraftModelState:
     fed_before_draft: int = 0  # cache length when the last draft started (all committed tokens)
     fed_drafts: int = 0  # draft tokens of the last proposal that were fed into the cache
     drafting: bool = False  # a proposal was made this step (update trims its rejected tokens)
+    penalties: Penalties | None = None  # the request's, applied to the draft's logits as to the target's
+    prompt_len: int = 0
 
 
 @register("draft")
@@ -106,7 +109,14 @@ class DraftModelProposer(Proposer):
             for b, row_logits in zip(rows, out.logits, strict=True):
                 state = states[b]
                 state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
-                token = self._next(state, self._fit_vocab(row_logits[-1]), probs[b])
+                logits = self._fit_vocab(row_logits[-1])
+                if state.penalties is not None:
+                    context = [*token_ids[b], *tokens[b]]
+                    cut = state.prompt_len
+                    logits = adjust_logits(logits[None], state.penalties, context[:cut], context[cut:], [[]])[
+                        0
+                    ]
+                token = self._next(state, logits, probs[b])
                 if token is None:
                     continue  # too unsure: stop before it (known before verification, so exact)
                 tokens[b].append(token)
@@ -119,6 +129,9 @@ class DraftModelProposer(Proposer):
             )
             for t, p in zip(tokens, probs, strict=True)
         ]
+
+    def use_penalties(self, state: DraftModelState, penalties: Penalties, prompt_len: int) -> None:
+        state.penalties, state.prompt_len = penalties, prompt_len
 
     def _next(self, state: DraftModelState, logits: torch.Tensor, probs: list[torch.Tensor]) -> int | None:
         """The next draft token (sampled, its distribution appended to ``probs``), or None when the
