@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import needs_smollm2, perturbed, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,9 @@ def test_generate_with_penalties_matches_plain(tiny_folders):
         (["--top-p", "0"], "top_p"),
         (["--presence-penalty", "3"], "presence_penalty"),
         (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--json-schema", "{not json"], "--json-schema is not JSON"),
+        (["--json-schema", "@/no/such/file"], "No such file"),
+        (["--regex", "a+"], "structured output needs a tokenizer"),
         (["--method", "draft"], "draft model"),
     ],
 )
@@ -108,3 +111,15 @@ def test_models_lists_the_registry():
         "gemma-3-270m",
     ):
         assert name in out.stdout
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_generate_with_a_regex_on_a_real_model():
+    out = run_cli(
+        "generate", "--target", "smollm2-135m-instruct", "--method", "ngram", "--chat", "--json",
+        "--prompt", "What year did the Apollo 11 mission land?", "--regex", "[0-9]{4}", "--compare-plain",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["text"]) == 4 and result["text"].isdigit() and result["matches_plain"] is True

@@ -11,7 +11,17 @@ from __future__ import annotations
 from verispec.api import load
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
+from verispec.structured import Structured
 from verispec.types import Draft, Generation, TokenEvent, VerifyResult
 
 __version__ = "0.1.0"
-__all__ = ["Draft", "Generation", "SpecEngine", "TokenEvent", "VerifyResult", "VerispecError", "load"]
+__all__ = [
+    "Draft",
+    "Generation",
+    "SpecEngine",
+    "Structured",
+    "TokenEvent",
+    "VerifyResult",
+    "VerispecError",
+    "load",
+]

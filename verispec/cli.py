@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--repetition-penalty", type=float, default=1.0, help="transformers'/vLLM's, > 0; 1 = off"
     )
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", help="constrain the output to this JSON schema (JSON text or @FILE)")
+    shape.add_argument("--regex", help="constrain the output to this regular expression")
     add_load_flags(gen)
     gen.add_argument(
         "--json", action="store_true", help="print one JSON object with text, token ids and stats"
@@ -276,6 +279,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _structured(args: argparse.Namespace) -> Any:
+    """``--json-schema`` / ``--regex`` as a :class:`~verispec.structured.Structured` (or None)."""
+    from verispec.structured import Structured
+
+    if args.regex is not None:
+        return Structured("regex", args.regex)
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise VerispecError(f"--json-schema {args.json_schema}: {exc.strerror}") from exc
+    try:
+        return Structured("json", json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise VerispecError(f"--json-schema is not JSON: {exc}") from exc
+
+
 def _generate(args: argparse.Namespace) -> int:
     from verispec.config import SamplingConfig
     from verispec.penalties import Penalties
@@ -283,6 +306,7 @@ def _generate(args: argparse.Namespace) -> int:
     # Validate every cheap setting before spending a minute loading models.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
+    structured = _structured(args)
     if args.max_new_tokens < 1:
         raise VerispecError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -306,6 +330,7 @@ def _generate(args: argparse.Namespace) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
+        structured=structured,
     )
     color = args.show_drafts or (sys.stdout.isatty() and not args.json)
     if args.compare_plain and engine.proposer is not None:

@@ -49,6 +49,7 @@ from verispec.policy import (
 )
 from verispec.proposers.base import Proposer
 from verispec.sampling import make_generator
+from verispec.structured import Constraint, Structured, ll_tokenizer
 from verispec.types import Draft, FinishReason, Generation, TokenEvent
 from verispec.verify import typical, verify
 from verispec.verify.tree import DraftTree, tree_attention_inputs, verify_tree
@@ -76,6 +77,8 @@ class Request:
     """The same for the prompt's tokens (scoring a text, as ``echo`` with ``logprobs`` asks)."""
     penalties: Penalties | None = None
     """Logit bias and repetition penalties, applied to each verified row for its own context."""
+    grammar: str | None = None
+    """llguidance grammar the output must match (:mod:`verispec.structured`), masked the same way."""
 
 
 @dataclass
@@ -96,6 +99,8 @@ class SeqState:
     feeds_draft: bool | None = None
     """Whether its prompt chunks are fed to the draft model as the target prefills them; decided
     at its first chunk (see :meth:`SpecEngine._draft_prefill_pays`)."""
+    constraint: Constraint | None = None
+    """With a grammar: the matcher following this sequence's output."""
     prompt_scores: list[TokenLogprobs] = field(default_factory=list)
     """With ``prompt_logprobs``: the prompt's tokens after the first, scored as prefill goes."""
 
@@ -172,6 +177,7 @@ class SpecEngine:
         self.step_observers: list[Any] = []
         """Callables given every :class:`StepReport` (the server's metrics)."""
         self._token_bytes: list[bytes] | None = None
+        self._grammar_tokenizer: Any = None
 
     # ----------------------------------------------------------------- requests
 
@@ -193,6 +199,7 @@ class SpecEngine:
         frequency_penalty: float = 0.0,
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
+        structured: Structured | None = None,
     ) -> Request:
         """Validate a request; raises :class:`VerispecError` with a message fit for the user.
 
@@ -203,6 +210,8 @@ class SpecEngine:
         prompt's tokens (``RequestOutput.prompt_logprobs``, ``Generation.prompt_logprobs``).
         Penalties and ``logit_bias`` (token id -> value added to its logit) follow vLLM's rules
         (:mod:`verispec.penalties`); log-probabilities stay the target's raw ones, as vLLM's default.
+        ``structured`` constrains the output to a JSON schema, regex, choice or Lark grammar
+        (:mod:`verispec.structured`); the grammar is compiled here, so a bad one is refused here.
         """
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -212,6 +221,10 @@ class SpecEngine:
             presence_penalty, frequency_penalty, repetition_penalty, tuple((logit_bias or {}).items())
         )
         penalties.check_vocab(self.target.vocab_size)
+        grammar = None
+        if structured is not None:
+            grammar = structured.grammar()
+            self._constraint(grammar)  # compiles it: errors now, not once queued
         if max_new_tokens < 1:
             raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = self.encode(prompt)
@@ -242,6 +255,7 @@ class SpecEngine:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             penalties=penalties if penalties.active else None,
+            grammar=grammar,
             **extra,
         )
 
@@ -272,6 +286,8 @@ class SpecEngine:
             acceptance=AcceptanceEstimate(self.prior),
             admitted_at=time.perf_counter(),
         )
+        if request.grammar is not None:
+            seq.constraint = self._constraint(request.grammar)
         seq.stats.prompt_tokens = len(request.prompt_ids)
         self.waiting.append(seq)
         self._by_id[request.request_id] = seq
@@ -323,8 +339,10 @@ class SpecEngine:
             seq = self.waiting.popleft()
             if self.proposer is not None:
                 seq.proposer_state = self.proposer.new_state(seq.request.prompt_ids, seq.request.sampling)
-                if seq.request.penalties is not None:
-                    self.proposer.use_penalties(seq.proposer_state, seq.request.penalties, seq.prompt_len)
+                if seq.request.penalties is not None or seq.constraint is not None:
+                    self.proposer.constrain(
+                        seq.proposer_state, seq.request.penalties, seq.constraint, seq.prompt_len
+                    )
             self.running.append(seq)
         outputs: list[RequestOutput] = []
         self._prefill(outputs)
@@ -591,6 +609,8 @@ class SpecEngine:
                 finish = "length"
             if finish is not None and seq.detok:
                 text += seq.detok.flush()
+            if finish is None and seq.constraint is not None:
+                seq.constraint.advance(token)
             seq.stats.total_seconds = time.perf_counter() - seq.admitted_at
             output.events.append(
                 TokenEvent(
@@ -759,6 +779,14 @@ class SpecEngine:
             self._token_bytes = token_bytes_table(self.tokenizer)
         return self._token_bytes
 
+    def _constraint(self, grammar: str) -> Constraint:
+        """A matcher for ``grammar`` over this target's vocabulary (llguidance's tokenizer view is
+        built on first use, ~1.5 s for Qwen's 151,936 ids, on the engine thread)."""
+        if self._grammar_tokenizer is None:
+            tok = self._require_tokenizer("structured output")
+            self._grammar_tokenizer = ll_tokenizer(tok, self.target.vocab_size, self.target.eos_token_ids)
+        return Constraint(self._grammar_tokenizer, grammar, self.target.vocab_size)
+
     def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
             raise VerispecError(
@@ -795,10 +823,10 @@ def _generation(
 
 
 def _adjusted(seq: SeqState, draft: Draft | DraftTree, logits: torch.Tensor) -> torch.Tensor:
-    """The target's rows as the verifier must judge them: with the request's penalties, each row for
-    the context it was computed in (the committed tokens plus the draft tokens before it)."""
-    penalties = seq.request.penalties
-    if penalties is None:
+    """The target's rows as the verifier must judge them: with the request's penalties and grammar,
+    each row for the context it was computed in (the committed tokens plus the draft tokens before it)."""
+    penalties, constraint = seq.request.penalties, seq.constraint
+    if penalties is None and constraint is None:
         return logits
     drafted = draft.tokens.tolist()
     if isinstance(draft, DraftTree):
@@ -806,7 +834,16 @@ def _adjusted(seq: SeqState, draft: Draft | DraftTree, logits: torch.Tensor) -> 
     else:
         paths = chain_paths(drafted)
     prompt_len = seq.prompt_len
-    return adjust_logits(logits, penalties, seq.token_ids[:prompt_len], seq.token_ids[prompt_len:], paths)
+    if penalties is not None:
+        logits = adjust_logits(
+            logits, penalties, seq.token_ids[:prompt_len], seq.token_ids[prompt_len:], paths
+        )
+    if constraint is not None:
+        allowed = constraint.masks(paths)
+        if not bool(allowed.any(dim=-1).all()):
+            raise VerispecError("structured output: the grammar allows no token here")
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def _speculation_cap(seq: SeqState) -> int:

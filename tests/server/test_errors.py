@@ -136,7 +136,33 @@ def test_bad_completion_requests_are_400(server, body, param, code):
             {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
             "tools[0].function",
         ),
-        ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, None),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+            "response_format",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "[0-9"}},
+            "structured_outputs",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "structured_outputs": {"regex": "a", "choice": ["b"]},
+            },
+            "structured_outputs",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "structured_outputs": {"choice": ["b"]},
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
         ({"messages": [{"role": "user", "content": "word " * 500}]}, "messages"),
     ],
 )

@@ -91,3 +91,40 @@ def test_a_call_and_its_answer_go_back_into_the_conversation(server):
     )
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert f"<tool_response>\n{answer}\n</tool_response>" in prompt
+
+
+def test_a_forced_tool_choice_always_calls(server):
+    """``tool_choice`` naming the function: the reply is constrained to one call of it, even where the
+    question does not call for one."""
+    chat = [{"role": "user", "content": "Say hello."}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    free = ask(server, chat)
+    assert not free.choices[0].message.tool_calls  # left alone, the model just says hello
+    for choice in (named, "required"):
+        forced = ask(server, chat, tool_choice=choice)
+        (call,) = forced.choices[0].message.tool_calls
+        assert forced.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert isinstance(json.loads(call.function.arguments).get("city"), str)
+
+
+def test_response_format_json_schema_on_the_real_model(server):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+    ask = 'Where is the Eiffel Tower? Answer in JSON: {"city": "...", "country": "..."}.'
+    messages = [{"role": "user", "content": ask}]  # the template gives prompt lookup text to copy
+    replies = [
+        server.client().chat.completions.create(
+            model="qwen", messages=messages, max_tokens=40, temperature=0, response_format=fmt,
+            extra_body={"speculation": {"enabled": enabled}},
+        )
+        for enabled in (True, False)
+    ]  # fmt: skip
+    text = replies[0].choices[0].message.content
+    assert text == replies[1].choices[0].message.content
+    assert "Paris" in json.loads(text)["city"]
+    assert replies[0].model_extra["verispec"]["stats"]["accepted"] > 0

@@ -136,9 +136,18 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": HI, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": HI, "tools": TOOLS, "tool_choice": "anything"}, "tool_choice"),
         ({"messages": HI, "tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        (
+            {
+                "messages": HI,
+                "tools": TOOLS,
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            "tool_choice",
+        ),
         ({"messages": HI, "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
         (
             {"messages": HI, "tools": [{"type": "function", "function": {"name": "a b"}}]},
             "tools[0].function.name",

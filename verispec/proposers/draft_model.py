@@ -21,6 +21,7 @@ from verispec.models.base import CausalLM, KVCache
 from verispec.penalties import Penalties, adjust_logits
 from verispec.proposers.base import Proposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
+from verispec.structured import Constraint
 from verispec.types import Draft
 
 _PROMPT_ROWS = 16
@@ -42,6 +43,7 @@ class DraftModelState:
     fed_drafts: int = 0  # draft tokens of the last proposal that were fed into the cache
     drafting: bool = False  # a proposal was made this step (update trims its rejected tokens)
     penalties: Penalties | None = None  # the request's, applied to the draft's logits as to the target's
+    constraint: Constraint | None = None  # the request's grammar, following the committed output
     prompt_len: int = 0
 
 
@@ -110,12 +112,8 @@ class DraftModelProposer(Proposer):
                 state = states[b]
                 state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
                 logits = self._fit_vocab(row_logits[-1])
-                if state.penalties is not None:
-                    context = [*token_ids[b], *tokens[b]]
-                    cut = state.prompt_len
-                    logits = adjust_logits(logits[None], state.penalties, context[:cut], context[cut:], [[]])[
-                        0
-                    ]
+                if state.penalties is not None or state.constraint is not None:
+                    logits = _adjusted(state, logits, token_ids[b], tokens[b])
                 token = self._next(state, logits, probs[b])
                 if token is None:
                     continue  # too unsure: stop before it (known before verification, so exact)
@@ -130,8 +128,14 @@ class DraftModelProposer(Proposer):
             for t, p in zip(tokens, probs, strict=True)
         ]
 
-    def use_penalties(self, state: DraftModelState, penalties: Penalties, prompt_len: int) -> None:
-        state.penalties, state.prompt_len = penalties, prompt_len
+    def constrain(
+        self,
+        state: DraftModelState,
+        penalties: Penalties | None,
+        constraint: Constraint | None,
+        prompt_len: int,
+    ) -> None:
+        state.penalties, state.constraint, state.prompt_len = penalties, constraint, prompt_len
 
     def _next(self, state: DraftModelState, logits: torch.Tensor, probs: list[torch.Tensor]) -> int | None:
         """The next draft token (sampled, its distribution appended to ``probs``), or None when the
@@ -173,6 +177,21 @@ class DraftModelProposer(Proposer):
             return logits[..., : self.target_vocab]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - width), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
+
+
+def _adjusted(
+    state: DraftModelState, logits: torch.Tensor, committed: Sequence[int], drafted: list[int]
+) -> torch.Tensor:
+    """The draft's next-token logits [V] with the request's penalties and grammar, for the context
+    ``committed`` + ``drafted`` (the grammar's matcher already follows ``committed``)."""
+    if state.penalties is not None:
+        context = [*committed, *drafted]
+        cut = state.prompt_len
+        logits = adjust_logits(logits[None], state.penalties, context[:cut], context[cut:], [[]])[0]
+    if state.constraint is not None:
+        allowed = state.constraint.masks([drafted])[0]
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:

@@ -12,7 +12,12 @@ Extensions to OpenAI's request bodies (the openai client sends them through ``ex
 - ``"repetition_penalty"``: vLLM's and transformers' (1 is off). OpenAI's ``presence_penalty``,
   ``frequency_penalty`` and ``logit_bias`` are taken as well (:mod:`verispec.penalties`).
 
-Tools (chat ``tools``, ``tool_choice`` ``auto`` or ``none``): the model sees them through its chat
+Structured output: chat ``response_format`` (``json_object``, ``json_schema``) and, on both
+endpoints, vLLM's ``"structured_outputs": {"json" | "regex" | "choice" | "grammar": ...}`` (one of
+them) constrain the output (:mod:`verispec.structured`).
+
+Tools (chat ``tools``, ``tool_choice`` ``auto``, ``none``, ``required`` or a named function; the
+last two constrain the reply to one call): the model sees them through its chat
 template, and a call in its reply (a Hermes ``<tool_call>`` block, or a reply that opens with a JSON
 call, see :mod:`verispec.server.tools`) comes back as ``message.tool_calls`` with ``finish_reason``
 ``"tool_calls"``. Streamed, text that may be a call is held back, and each call arrives whole in one

@@ -28,6 +28,8 @@ INVALID = "invalid_request_error"
 _FRIENDLY = {
     "prompt": "prompt must be a non-empty string, a list of token ids, or a list holding one of those",
     "stop": "stop must be a string or a list of strings",
+    "tool_choice": 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+    '{"name": ...}}',
 }
 """Messages for union-typed fields, whose raw pydantic errors list one complaint per alternative."""
 

@@ -3,11 +3,10 @@
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
 clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (``suffix``, ``best_of``, a forced
-``tool_choice``) are
-declared so that a request asking for them gets a 400 that names them, never a silently different
-answer. Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks
-are documented in :mod:`verispec.server`.
+change the result in ways this server does not implement (``suffix``, ``best_of``) are declared
+so that a request asking for them gets a 400 that names them, never a silently different answer.
+Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks are
+documented in :mod:`verispec.server`.
 """
 
 from __future__ import annotations
@@ -62,6 +61,18 @@ class SpeculationOptions(_Strict):
     """Most draft tokens per step; null keeps the server's -k, values above it are cut to it."""
 
 
+class StructuredOutputs(_Strict):
+    """verispec extension, vLLM's ``structured_outputs``: the output must match exactly one of these
+    (see :mod:`verispec.structured`)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    """``json``: a JSON schema (``{"type": "object"}`` for any object)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect)."""
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     """Send a last chunk with ``usage`` and the speculation statistics before ``[DONE]``."""
@@ -102,6 +113,8 @@ class SamplingRequest(_Strict):
     penalties of its own context (see :mod:`verispec.penalties`)."""
     speculation: SpeculationOptions | None = None
     """verispec extension: per-request speculation settings."""
+    structured_outputs: StructuredOutputs | None = None
+    """Extension (as in vLLM): constrain the output to a JSON schema, regex, choice or grammar."""
 
 
 class CompletionRequest(SamplingRequest):
@@ -160,6 +173,27 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ToolDefinition(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
@@ -180,15 +214,15 @@ class ChatCompletionRequest(SamplingRequest):
     """Functions the model may call, shown to it through its chat template (the template must take
     tools, as Qwen2.5's does); calls come back in OpenAI's ``tool_calls`` (see
     :mod:`verispec.server.tools`)."""
-    tool_choice: str | dict[str, Any] | None = Field(
-        default=None, json_schema_extra={"enum": ["none", "auto", None]}
-    )
-    """``auto`` (the default with tools) lets the model choose; ``none`` hides the tools from it.
-    ``required`` and a named function are refused: they need constrained decoding."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """``auto`` (the default with tools) lets the model choose; ``none`` hides the tools from it;
+    ``required`` and a named function constrain the reply to one call (a JSON call of an offered
+    tool, or of that one) through structured output."""
     parallel_tool_calls: bool | None = None
     """Accepted; the model may always make several calls in one reply."""
-    response_format: dict[str, Any] | None = only(properties={"type": {"enum": ["text"]}})
-    """Only ``{"type": "text"}`` is supported."""
+    response_format: ResponseFormat | None = None
+    """``json_object`` (any JSON object) or ``json_schema`` (``json_schema.schema``): the reply is
+    constrained to it, losslessly under speculation (see :mod:`verispec.structured`)."""
 
 
 # --------------------------------------------------------------------------------------- responses

@@ -24,9 +24,11 @@ from verispec.server.protocol import (
     ChatMessage,
     CompletionRequest,
     MessageToolCall,
+    NamedToolChoice,
     SamplingRequest,
 )
 from verispec.server.tools import ToolCallStream, parse_tool_calls
+from verispec.structured import Structured
 from verispec.types import TokenEvent
 
 GREEDY_BELOW = 1e-5
@@ -62,25 +64,12 @@ def reject_unsupported(body: SamplingRequest) -> None:
             (body.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
         ]
     if isinstance(body, ChatCompletionRequest):
-        fmt = (body.response_format or {}).get("type", "text")
         refusals += [
             (
                 body.top_logprobs is not None and not body.logprobs,
                 "top_logprobs",
                 "top_logprobs needs logprobs: true",
             ),
-            (
-                body.tool_choice not in (None, "none", "auto"),
-                "tool_choice",
-                f"tool_choice {body.tool_choice!r} is not supported: 'required' and a named function need "
-                "constrained decoding; use 'auto' (the model chooses) or 'none'",
-            ),
-            (
-                body.tool_choice == "auto" and not body.tools,
-                "tool_choice",
-                "tool_choice 'auto' needs tools",
-            ),
-            (fmt != "text", "response_format", 'only response_format {"type": "text"} is supported'),
         ]
     for refused, param, message in refusals:
         if refused:
@@ -149,6 +138,7 @@ def build_request(
     request_id: str,
 ) -> Prepared:
     """Tokenize and validate ``body`` into an engine request (call on the engine thread)."""
+    asked_by, structured = _structured(body)
     if isinstance(body, ChatCompletionRequest):
         ids, source, prompt = _chat_ids(engine, body), "messages", None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -207,16 +197,88 @@ def build_request(
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=_logit_bias(body.logit_bias),
+            structured=structured,
         )
         token_bytes = None if logprobs is None else engine.token_bytes()
     except VerispecError as exc:
-        raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
+        param = asked_by if str(exc).startswith("structured output") else _param_of(str(exc))
+        raise APIError(400, str(exc), param=param) from exc
     echo = None
     if prompt is not None and getattr(body, "echo", False):
         echo = prompt if isinstance(prompt, str) else _decoded(engine, ids)
     offered = _offered_tools(body) if isinstance(body, ChatCompletionRequest) else None
     tools = None if offered is None else frozenset(t["function"]["name"] for t in offered)
     return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo, tools)
+
+
+def _structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[str | None, Structured | None]:
+    """What the output must match and the field that asked: ``structured_outputs``,
+    ``response_format`` or a forced ``tool_choice``, one at most."""
+    found: list[tuple[str, Structured]] = []
+    wanted = body.structured_outputs
+    if wanted is not None:
+        values = {
+            "json": wanted.json_,
+            "regex": wanted.regex,
+            "choice": wanted.choice,
+            "grammar": wanted.grammar,
+        }
+        given = [(kind, value) for kind, value in values.items() if value is not None]
+        if len(given) != 1:
+            raise APIError(
+                400,
+                "structured_outputs needs exactly one of json, regex, choice, grammar",
+                param="structured_outputs",
+            )
+        found.append(("structured_outputs", Structured(*given[0])))
+    if isinstance(body, ChatCompletionRequest):
+        fmt = body.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(("response_format", Structured("json", {"type": "object"})))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema", param="response_format")
+            found.append(("response_format", Structured("json", fmt.json_schema.schema_)))
+        call = _forced_call(body)
+        if call is not None:
+            found.append(("tool_choice", call))
+    if len(found) > 1:
+        raise APIError(
+            400, f"{found[0][0]} and {found[1][0]} both constrain the output; give one", param=found[1][0]
+        )
+    return found[0] if found else (None, None)
+
+
+def _forced_call(body: ChatCompletionRequest) -> Structured | None:
+    """``required`` or a named function: the reply is one JSON call (``{"name": ..., "arguments":
+    {...}}``, the arguments following the tool's parameter schema), which the tool-call parser reads."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if choice in (None, "none", "auto") or not body.tools:
+        return None
+    tools = body.tools
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in body.tools if t.function.name == choice.function.name]
+        if not tools:
+            raise APIError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+            )
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return Structured("json", calls[0] if len(calls) == 1 else {"anyOf": calls})
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
