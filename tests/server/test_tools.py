@@ -4,12 +4,9 @@ openai client reads; end to end on the real Qwen2.5-Coder-0.5B in tests/server/t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
-import openai
 import pytest
 
-from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair
 from tests.server.test_errors import assert_error, post
 from verispec.server.tools import MAX_HELD_CHARS, ToolCallStream, parse_tool_calls
 from verispec.server.translate import ChunkWriter, full_response
@@ -110,18 +107,6 @@ def test_response_and_stream_formats():
     assert payloads[-1]["choices"][0]["finish_reason"] == "tool_calls"
     plain = full_response("chat", "id", 0, "m", [events(reply)], 3)  # no tools offered: plain text
     assert plain["choices"][0]["message"] == {"role": "assistant", "content": reply}
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    target, draft = tiny_pair()
-    with live_server(make_engine(target, draft, "draft", k=3), name="tiny") as live:
-        yield live
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> openai.OpenAI:
-    return server.client()
 
 
 TOOLS = [
