@@ -26,7 +26,6 @@ import torch
 from verispec.errors import VerispecError
 
 StructuredKind = Literal["json", "regex", "choice", "grammar"]
-STRUCTURED_KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
