@@ -38,7 +38,7 @@ from verispec.detok import IncrementalDetokenizer, token_bytes_table
 from verispec.errors import QueueFullError, VerispecError
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
-from verispec.penalties import Penalties, adjust_logits, chain_paths, tree_paths
+from verispec.penalties import Penalties, chain_paths, request_rows, tree_paths
 from verispec.policy import (
     AcceptanceEstimate,
     AcceptancePrior,
@@ -833,17 +833,7 @@ def _adjusted(seq: SeqState, draft: Draft | DraftTree, logits: torch.Tensor) -> 
         paths = tree_paths(drafted, draft.parents.tolist())
     else:
         paths = chain_paths(drafted)
-    prompt_len = seq.prompt_len
-    if penalties is not None:
-        logits = adjust_logits(
-            logits, penalties, seq.token_ids[:prompt_len], seq.token_ids[prompt_len:], paths
-        )
-    if constraint is not None:
-        allowed = constraint.masks(paths)
-        if not bool(allowed.any(dim=-1).all()):
-            raise VerispecError("structured output: the grammar allows no token here")
-        logits = logits.float().masked_fill(~allowed, float("-inf"))
-    return logits
+    return request_rows(logits, penalties, constraint, seq.token_ids, seq.prompt_len, paths)
 
 
 def _speculation_cap(seq: SeqState) -> int:

@@ -12,6 +12,9 @@ is added first; then the repetition penalty (transformers' rule: a positive logi
 it, a negative one multiplied) on every token seen in the prompt or the output; then
 ``mu[t] -= frequency * c[t] + presence * (c[t] > 0)`` with ``c`` counted over output tokens only.
 All of this comes before temperature, top-k and top-p (:func:`verispec.sampling.logits_to_probs`).
+
+:func:`request_rows` applies a request's penalties and its grammar mask (:mod:`verispec.structured`)
+together, row by row, for the engine's verification and the draft model's drafting alike.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from verispec.errors import VerispecError
+
+if TYPE_CHECKING:
+    from verispec.structured import Constraint
 
 MAX_PENALTY = 2.0
 """OpenAI's range for presence and frequency penalties is [-2, 2]."""
@@ -110,6 +117,27 @@ def adjust_logits(
             (before == 0).to(out.dtype)
         )
     return out
+
+
+def request_rows(
+    logits: torch.Tensor,  # [R, V]
+    penalties: Penalties | None,
+    constraint: Constraint | None,
+    token_ids: Sequence[int],
+    prompt_len: int,
+    row_paths: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """``logits`` as a request's rules make them: penalised (:func:`adjust_logits`) and masked by
+    its grammar, row r after the committed ``token_ids`` (prompt first) plus ``row_paths[r]``. The
+    grammar's matcher already follows the committed output."""
+    if penalties is not None:
+        logits = adjust_logits(logits, penalties, token_ids[:prompt_len], token_ids[prompt_len:], row_paths)
+    if constraint is not None:
+        allowed = constraint.masks(row_paths)
+        if not bool(allowed.any(dim=-1).all()):
+            raise VerispecError("structured output: the grammar allows no token here")
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def _repeated(logits: torch.Tensor, penalty: float) -> torch.Tensor:

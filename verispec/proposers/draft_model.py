@@ -18,7 +18,7 @@ import torch
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM, KVCache
-from verispec.penalties import Penalties, adjust_logits
+from verispec.penalties import Penalties, request_rows
 from verispec.proposers.base import Proposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
 from verispec.structured import Constraint
@@ -113,7 +113,14 @@ class DraftModelProposer(Proposer):
                 state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
                 logits = self._fit_vocab(row_logits[-1])
                 if state.penalties is not None or state.constraint is not None:
-                    logits = _adjusted(state, logits, token_ids[b], tokens[b])
+                    logits = request_rows(
+                        logits[None],
+                        state.penalties,
+                        state.constraint,
+                        token_ids[b],
+                        state.prompt_len,
+                        [tokens[b]],
+                    )[0]
                 token = self._next(state, logits, probs[b])
                 if token is None:
                     continue  # too unsure: stop before it (known before verification, so exact)
@@ -177,21 +184,6 @@ class DraftModelProposer(Proposer):
             return logits[..., : self.target_vocab]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - width), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
-
-
-def _adjusted(
-    state: DraftModelState, logits: torch.Tensor, committed: Sequence[int], drafted: list[int]
-) -> torch.Tensor:
-    """The draft's next-token logits [V] with the request's penalties and grammar, for the context
-    ``committed`` + ``drafted`` (the grammar's matcher already follows ``committed``)."""
-    if state.penalties is not None:
-        context = [*committed, *drafted]
-        cut = state.prompt_len
-        logits = adjust_logits(logits[None], state.penalties, context[:cut], context[cut:], [[]])[0]
-    if state.constraint is not None:
-        allowed = state.constraint.masks([drafted])[0]
-        logits = logits.float().masked_fill(~allowed, float("-inf"))
-    return logits
 
 
 def check_same_vocabulary(target: CausalLM, draft: CausalLM) -> None:

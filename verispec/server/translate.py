@@ -139,8 +139,9 @@ def build_request(
 ) -> Prepared:
     """Tokenize and validate ``body`` into an engine request (call on the engine thread)."""
     asked_by, structured = _structured(body)
+    offered = _offered_tools(body) if isinstance(body, ChatCompletionRequest) else None
     if isinstance(body, ChatCompletionRequest):
-        ids, source, prompt = _chat_ids(engine, body), "messages", None
+        ids, source, prompt = _chat_ids(engine, body, offered), "messages", None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
@@ -206,7 +207,6 @@ def build_request(
     echo = None
     if prompt is not None and getattr(body, "echo", False):
         echo = prompt if isinstance(prompt, str) else _decoded(engine, ids)
-    offered = _offered_tools(body) if isinstance(body, ChatCompletionRequest) else None
     tools = None if offered is None else frozenset(t["function"]["name"] for t in offered)
     return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo, tools)
 
@@ -348,7 +348,9 @@ def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True) for tool in body.tools]
 
 
-def _chat_ids(engine: SpecEngine, body: ChatCompletionRequest) -> list[int]:
+def _chat_ids(
+    engine: SpecEngine, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+) -> list[int]:
     messages = chat_messages(body.messages)
     limit = engine.target.max_context * MAX_CHARS_PER_TOKEN
     if sum(len(m["content"] or "") for m in messages) > limit:
@@ -358,7 +360,6 @@ def _chat_ids(engine: SpecEngine, body: ChatCompletionRequest) -> list[int]:
             param="messages",
             code="context_length_exceeded",
         )
-    tools = _offered_tools(body)
     try:
         return engine.apply_chat_template(messages, tools)
     except VerispecError as exc:
