@@ -107,6 +107,25 @@ def test_each_row_is_masked_for_its_own_path(pair):
             assert torch.equal(masks[row], fresh.allowed())
 
 
+def test_masks_are_computed_once_per_path_until_a_token_is_committed(pair, monkeypatch):
+    """Drafting and verification ask for the same rows' masks; each path's is computed once, and
+    forgotten when a committed token moves the matcher on."""
+    target, _ = pair
+    engine = make_engine(target, None, None)
+    constraint = engine._constraint(CHOICE.grammar())
+    computed: list[tuple[int, ...]] = []
+    compute = constraint.allowed
+    monkeypatch.setattr(constraint, "allowed", lambda: computed.append(()) or compute())
+    tok = target.tokenizer
+    m = tok.encode("m", add_special_tokens=False)
+    first = constraint.masks([[], m])
+    again = constraint.masks([m, []])
+    assert len(computed) == 2 and torch.equal(again, first.flip(0))
+    constraint.advance(m[0])
+    after = constraint.masks([[]])
+    assert len(computed) == 3 and torch.equal(after[0], first[1])
+
+
 @pytest.mark.parametrize(
     ("structured", "message"),
     [

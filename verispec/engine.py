@@ -38,7 +38,7 @@ from verispec.detok import IncrementalDetokenizer, token_bytes_table
 from verispec.errors import QueueFullError, VerispecError
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
-from verispec.penalties import Penalties, chain_paths, request_rows, tree_paths
+from verispec.penalties import Penalties, RequestRules, chain_paths, tree_paths
 from verispec.policy import (
     AcceptanceEstimate,
     AcceptancePrior,
@@ -99,8 +99,8 @@ class SeqState:
     feeds_draft: bool | None = None
     """Whether its prompt chunks are fed to the draft model as the target prefills them; decided
     at its first chunk (see :meth:`SpecEngine._draft_prefill_pays`)."""
-    constraint: Constraint | None = None
-    """With a grammar: the matcher following this sequence's output."""
+    rules: RequestRules | None = None
+    """With penalties or a grammar: them, the grammar's matcher following this sequence's output."""
     prompt_scores: list[TokenLogprobs] = field(default_factory=list)
     """With ``prompt_logprobs``: the prompt's tokens after the first, scored as prefill goes."""
 
@@ -286,8 +286,9 @@ class SpecEngine:
             acceptance=AcceptanceEstimate(self.prior),
             admitted_at=time.perf_counter(),
         )
-        if request.grammar is not None:
-            seq.constraint = self._constraint(request.grammar)
+        if request.grammar is not None or request.penalties is not None:
+            constraint = self._constraint(request.grammar) if request.grammar is not None else None
+            seq.rules = RequestRules(request.penalties, constraint, len(request.prompt_ids))
         seq.stats.prompt_tokens = len(request.prompt_ids)
         self.waiting.append(seq)
         self._by_id[request.request_id] = seq
@@ -339,10 +340,8 @@ class SpecEngine:
             seq = self.waiting.popleft()
             if self.proposer is not None:
                 seq.proposer_state = self.proposer.new_state(seq.request.prompt_ids, seq.request.sampling)
-                if seq.request.penalties is not None or seq.constraint is not None:
-                    self.proposer.constrain(
-                        seq.proposer_state, seq.request.penalties, seq.constraint, seq.prompt_len
-                    )
+                if seq.rules is not None:
+                    self.proposer.constrain(seq.proposer_state, seq.rules)
             self.running.append(seq)
         outputs: list[RequestOutput] = []
         self._prefill(outputs)
@@ -609,8 +608,8 @@ class SpecEngine:
                 finish = "length"
             if finish is not None and seq.detok:
                 text += seq.detok.flush()
-            if finish is None and seq.constraint is not None:
-                seq.constraint.advance(token)
+            if finish is None and seq.rules is not None and seq.rules.constraint is not None:
+                seq.rules.constraint.advance(token)
             seq.stats.total_seconds = time.perf_counter() - seq.admitted_at
             output.events.append(
                 TokenEvent(
@@ -825,15 +824,14 @@ def _generation(
 def _adjusted(seq: SeqState, draft: Draft | DraftTree, logits: torch.Tensor) -> torch.Tensor:
     """The target's rows as the verifier must judge them: with the request's penalties and grammar,
     each row for the context it was computed in (the committed tokens plus the draft tokens before it)."""
-    penalties, constraint = seq.request.penalties, seq.constraint
-    if penalties is None and constraint is None:
+    if seq.rules is None:
         return logits
     drafted = draft.tokens.tolist()
     if isinstance(draft, DraftTree):
         paths = tree_paths(drafted, draft.parents.tolist())
     else:
         paths = chain_paths(drafted)
-    return request_rows(logits, penalties, constraint, seq.token_ids, seq.prompt_len, paths)
+    return seq.rules.rows(logits, seq.token_ids, paths)
 
 
 def _speculation_cap(seq: SeqState) -> int:

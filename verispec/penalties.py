@@ -13,8 +13,9 @@ it, a negative one multiplied) on every token seen in the prompt or the output; 
 ``mu[t] -= frequency * c[t] + presence * (c[t] > 0)`` with ``c`` counted over output tokens only.
 All of this comes before temperature, top-k and top-p (:func:`verispec.sampling.logits_to_probs`).
 
-:func:`request_rows` applies a request's penalties and its grammar mask (:mod:`verispec.structured`)
-together, row by row, for the engine's verification and the draft model's drafting alike.
+:class:`RequestRules` applies a sequence's penalties and its grammar mask (:mod:`verispec.structured`)
+together, row by row, for the engine's verification and for every proposer that drafts with them
+(the draft model, EAGLE), so a draft agrees with the adjusted target as often as it can.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,12 +83,15 @@ def adjust_logits(
     prompt_ids: Sequence[int],
     output_ids: Sequence[int],
     row_paths: Sequence[Sequence[int]],
+    prompt_seen: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Return ``logits`` adjusted row by row; row r's context is the prompt, the output so far, then
     ``row_paths[r]`` (tokens drafted before that row, counted as output).
 
     The shared part (prompt and output) is applied to all rows at once; only the few tokens on each
     row's path are corrected one by one, so a 60-node tree costs a handful of scalar updates.
+    ``prompt_seen`` ([V] bool, the prompt's tokens) saves rebuilding that mask from ``prompt_ids``
+    on every call (:class:`RequestRules` keeps it per sequence).
     """
     if len(row_paths) != logits.shape[0]:
         raise ValueError(f"need one path per row: {len(row_paths)} paths for {logits.shape[0]} rows")
@@ -100,8 +104,9 @@ def adjust_logits(
     counts = torch.bincount(torch.tensor(list(output_ids), dtype=torch.long), minlength=vocab)[:vocab]
     seen = counts > 0
     if penalties.repetition != 1.0:
-        seen_all = seen.clone()
-        seen_all[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        if prompt_seen is None:
+            prompt_seen = prompt_mask(prompt_ids, vocab)
+        seen_all = seen | prompt_seen
         out = torch.where(seen_all, _repeated(out, penalties.repetition), out)
     out -= penalties.frequency * counts.to(out.dtype) + penalties.presence * seen.to(out.dtype)
     for row, path in enumerate(row_paths):
@@ -119,25 +124,48 @@ def adjust_logits(
     return out
 
 
-def request_rows(
-    logits: torch.Tensor,  # [R, V]
-    penalties: Penalties | None,
-    constraint: Constraint | None,
-    token_ids: Sequence[int],
-    prompt_len: int,
-    row_paths: Sequence[Sequence[int]],
-) -> torch.Tensor:
-    """``logits`` as a request's rules make them: penalised (:func:`adjust_logits`) and masked by
-    its grammar, row r after the committed ``token_ids`` (prompt first) plus ``row_paths[r]``. The
-    grammar's matcher already follows the committed output."""
-    if penalties is not None:
-        logits = adjust_logits(logits, penalties, token_ids[:prompt_len], token_ids[prompt_len:], row_paths)
-    if constraint is not None:
-        allowed = constraint.masks(row_paths)
-        if not bool(allowed.any(dim=-1).all()):
-            raise VerispecError("structured output: the grammar allows no token here")
-        logits = logits.float().masked_fill(~allowed, float("-inf"))
-    return logits
+def prompt_mask(prompt_ids: Sequence[int], vocab: int) -> torch.Tensor:
+    """[V] bool: the tokens that occur in the prompt (what the repetition penalty also penalises)."""
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+    return seen
+
+
+@dataclass
+class RequestRules:
+    """One sequence's penalties and grammar (its matcher follows the committed output), applied to
+    logit rows by the engine's verification and by proposers that draft with them."""
+
+    penalties: Penalties | None
+    constraint: Constraint | None
+    prompt_len: int
+    _prompt_seen: torch.Tensor | None = field(default=None, repr=False)
+    """The prompt's token mask, built on first use: a 4k-token prompt costs ~1 ms to scan, and the
+    rows are adjusted once a step for verification and once per drafted token by a draft model."""
+
+    def rows(
+        self, logits: torch.Tensor, token_ids: Sequence[int], row_paths: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """``logits [R, V]`` as the rules make them: penalised (:func:`adjust_logits`) and masked by
+        the grammar, row r after the committed ``token_ids`` (prompt first) plus ``row_paths[r]``."""
+        if self.penalties is not None:
+            vocab = logits.shape[-1]
+            if self._prompt_seen is None or self._prompt_seen.numel() != vocab:
+                self._prompt_seen = prompt_mask(token_ids[: self.prompt_len], vocab)
+            logits = adjust_logits(
+                logits,
+                self.penalties,
+                token_ids[: self.prompt_len],
+                token_ids[self.prompt_len :],
+                row_paths,
+                self._prompt_seen,
+            )
+        if self.constraint is not None:
+            allowed = self.constraint.masks(row_paths)
+            if not bool(allowed.any(dim=-1).all()):
+                raise VerispecError("structured output: the grammar allows no token here")
+            logits = logits.float().masked_fill(~allowed, float("-inf"))
+        return logits
 
 
 def _repeated(logits: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -10,6 +10,10 @@ rolls back, so the verifier sees exactly the rows plain constrained decoding wou
 the output follows the constrained target distribution. A draft token the grammar forbids has
 target probability 0 and is always rejected; rows after it are never used, so they are left
 unmasked.
+
+A row's mask depends only on its path, so masks are remembered until the next committed token: a
+proposer that drafts under the grammar (the draft model, EAGLE) computes the masks of the same
+contexts that the verification then needs, and each is computed once (~1.4 ms for Qwen's vocabulary).
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class Constraint:
 
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         self.vocab_size = vocab_size
+        self._known: dict[tuple[int, ...], torch.Tensor] = {}
+        """Masks by path, for the committed tokens so far (cleared by :meth:`advance`)."""
         if self.matcher.is_error():
             raise VerispecError(f"structured output: {self.matcher.get_error()}")
 
@@ -97,17 +103,34 @@ class Constraint:
         whose path holds a forbidden token is unreachable and left all True."""
         out = torch.ones(len(row_paths), self.vocab_size, dtype=torch.bool)
         for row, path in enumerate(row_paths):
-            path = list(path)
-            if path and self.matcher.validate_tokens(path) < len(path):  # checks without consuming
-                continue
-            if path and not self.matcher.consume_tokens(path):
-                raise VerispecError(f"structured output: {self.matcher.get_error()}")
-            out[row] = self.allowed()
-            self._rollback(len(path))
+            key = tuple(path)
+            known = self._known.get(key)
+            if known is None:
+                known = self._known[key] = self._mask_after(list(path))
+            out[row] = known
         return out
+
+    def valid_prefix(self, path: Sequence[int]) -> int:
+        """How many tokens of ``path`` the grammar allows in a row after the committed tokens
+        (checked without consuming; microseconds, against ~1 ms for a mask)."""
+        return int(self.matcher.validate_tokens(list(path)))
+
+    def fits(self, path: Sequence[int]) -> bool:
+        """Whether the grammar allows every token of ``path`` after the committed tokens."""
+        return self.valid_prefix(path) == len(path)
+
+    def _mask_after(self, path: list[int]) -> torch.Tensor:
+        if path and not self.fits(path):
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        if path and not self.matcher.consume_tokens(path):
+            raise VerispecError(f"structured output: {self.matcher.get_error()}")
+        allowed = self.allowed()
+        self._rollback(len(path))
+        return allowed
 
     def advance(self, token: int) -> None:
         """Consume a committed token (one the masks allowed)."""
+        self._known.clear()
         if not self.matcher.consume_token(token):
             raise VerispecError(f"structured output: token {token} does not fit: {self.matcher.get_error()}")
 

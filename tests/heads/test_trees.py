@@ -54,6 +54,35 @@ def test_product_tree_respects_the_depth_limit():
     assert product_tree(logp, ids, nodes=5, depth=0).size == 0
 
 
+def test_product_tree_keeps_the_best_paths_that_fit():
+    """With ``fits`` (a grammar), the tree is the best ``nodes`` paths among those whose every
+    prefix fits; masked candidates (-inf) are never drafted."""
+    torch.manual_seed(1)
+    logp = torch.randn(3, 4).log_softmax(-1).sort(descending=True).values
+    logp[0, 3] = -math.inf
+    ids = torch.arange(12).reshape(3, 4) + 10
+
+    def fits(path: list[int]) -> bool:
+        return all(t % 3 != 0 for t in path)  # forbids 12, 15, 18, 21
+
+    score: dict[tuple[int, ...], float] = {}
+    for depth in (1, 2, 3):
+        for ranks in itertools.product(range(4), repeat=depth):
+            path = tuple(int(ids[i, r]) for i, r in enumerate(ranks))
+            value = sum(float(logp[i, r]) for i, r in enumerate(ranks))
+            if fits(list(path)) and value > -math.inf:
+                score[path] = value
+    for nodes in (1, 4, 9, 100):
+        tree = product_tree(logp, ids, nodes, depth=3, fits=fits)
+        got = paths_of(tree)
+        assert tree.size == min(nodes, len(score)) and all(p in score for p in got)
+        cutoff = sorted(score.values(), reverse=True)[tree.size - 1]
+        assert all(score[p] >= cutoff - 1e-9 for p in got)
+        check_order(tree, score)
+    nothing = product_tree(logp, ids, 10, depth=3, fits=lambda path: False)
+    assert nothing.size == 0
+
+
 def test_best_subtree_is_closed_under_parents_and_ordered():
     # A root level of three, each expanded with two children; scores are path log-probabilities.
     tokens = [10, 11, 12, 20, 21, 22, 23, 24, 25]

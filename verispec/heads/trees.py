@@ -15,19 +15,30 @@ verification stays exact.
 from __future__ import annotations
 
 import heapq
+import math
+from collections.abc import Callable
 
 import torch
 
 from verispec.verify.tree import DraftTree
 
 
-def product_tree(top_logp: torch.Tensor, top_ids: torch.Tensor, nodes: int, depth: int) -> DraftTree:
+def product_tree(
+    top_logp: torch.Tensor,
+    top_ids: torch.Tensor,
+    nodes: int,
+    depth: int,
+    fits: Callable[[list[int]], bool] | None = None,
+) -> DraftTree:
     """Medusa: level i's candidates are head i's top tokens, whatever the path above them.
 
     ``top_logp``/``top_ids``: ``[K, W]`` each head's W best log-probabilities (descending) and their
     token ids. A path's score is the sum of its tokens' head log-probabilities (heads are treated
     as independent). Best-first: a popped node adds its next sibling and its first child to the
     frontier, so the first ``nodes`` pops are the ``nodes`` best paths, parents first.
+    ``fits(path)``: whether a path may be drafted at all (a request's grammar); a path that does not
+    fit is dropped with everything below it, and its next sibling still gets its turn. A candidate
+    of log-probability -inf (masked out) is never drafted.
     """
     depth = min(depth, top_logp.shape[0])
     width = top_logp.shape[1]
@@ -36,6 +47,7 @@ def product_tree(top_logp: torch.Tensor, top_ids: torch.Tensor, nodes: int, dept
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
+    paths: list[list[int]] = []
     if depth <= 0 or nodes <= 0:
         return DraftTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
     # (-score, tie, level, parent node, rank at this level, score of the parent)
@@ -43,13 +55,19 @@ def product_tree(top_logp: torch.Tensor, top_ids: torch.Tensor, nodes: int, dept
     tie = 1
     while heap and len(tokens) < nodes:
         neg, _, level, parent, rank, base = heapq.heappop(heap)
+        if rank + 1 < width:
+            heapq.heappush(heap, (-(base + logp[level][rank + 1]), tie, level, parent, rank + 1, base))
+            tie += 1
+        if neg == math.inf:  # ruled out by the request's rules (and so is every later sibling)
+            continue
+        path = [*(paths[parent] if parent >= 0 else []), ids[level][rank]]
+        if fits is not None and not fits(path):
+            continue
         me = len(tokens)
         tokens.append(ids[level][rank])
         parents.append(parent)
         scores.append(-neg)
-        if rank + 1 < width:
-            heapq.heappush(heap, (-(base + logp[level][rank + 1]), tie, level, parent, rank + 1, base))
-            tie += 1
+        paths.append(path)
         if level + 1 < depth:
             heapq.heappush(heap, (neg - logp[level + 1][0], tie, level + 1, me, 0, -neg))
             tie += 1

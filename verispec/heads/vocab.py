@@ -47,6 +47,7 @@ class VocabHead(nn.Module):
         ids = vocab.long() if vocab is not None else None
         self.register_buffer("vocab", ids if ids is not None else torch.empty(0, dtype=torch.long))
         self.size = int(ids.numel()) if ids is not None else int(target.vocab_size)
+        self.target_size = int(target.vocab_size)
         self.softcap = getattr(target, "softcap", None)
         head = target.lm_head
         self.linear: nn.Module | None = None

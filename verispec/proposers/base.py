@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
-    from verispec.penalties import Penalties
-    from verispec.structured import Constraint
+    from verispec.penalties import RequestRules
     from verispec.verify.tree import DraftTree
 
 
@@ -55,13 +54,11 @@ class Proposer(ABC):
         deep.
         """
 
-    def constrain(
-        self, state: Any, penalties: Penalties | None, constraint: Constraint | None, prompt_len: int
-    ) -> None:
-        """Draft this sequence with its request's penalties, logit bias and grammar (``constraint``
-        follows the committed output), so that drafts agree with the adjusted target more often.
-        Verification is exact either way (it judges the target's adjusted rows against whatever the
-        proposer drafted from); the default ignores them."""
+    def constrain(self, state: Any, rules: RequestRules) -> None:
+        """Draft this sequence with its request's penalties, logit bias and grammar (``rules``, whose
+        matcher follows the committed output), so that drafts agree with the adjusted target more
+        often. Verification is exact either way (it judges the target's adjusted rows against
+        whatever the proposer drafted from); the default ignores them."""
         return None
 
     def max_tree_size(self, k: int) -> int:

@@ -18,10 +18,9 @@ import torch
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM, KVCache
-from verispec.penalties import Penalties, request_rows
+from verispec.penalties import RequestRules
 from verispec.proposers.base import Proposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
-from verispec.structured import Constraint
 from verispec.types import Draft
 
 _PROMPT_ROWS = 16
@@ -42,9 +41,7 @@ class DraftModelState:
     fed_before_draft: int = 0  # cache length when the last draft started (all committed tokens)
     fed_drafts: int = 0  # draft tokens of the last proposal that were fed into the cache
     drafting: bool = False  # a proposal was made this step (update trims its rejected tokens)
-    penalties: Penalties | None = None  # the request's, applied to the draft's logits as to the target's
-    constraint: Constraint | None = None  # the request's grammar, following the committed output
-    prompt_len: int = 0
+    rules: RequestRules | None = None  # the request's penalties and grammar, as the target's rows get them
 
 
 @register("draft")
@@ -112,15 +109,8 @@ class DraftModelProposer(Proposer):
                 state = states[b]
                 state.fed_drafts = i  # this forward fed the pending tokens (i = 0) or draft token i
                 logits = self._fit_vocab(row_logits[-1])
-                if state.penalties is not None or state.constraint is not None:
-                    logits = request_rows(
-                        logits[None],
-                        state.penalties,
-                        state.constraint,
-                        token_ids[b],
-                        state.prompt_len,
-                        [tokens[b]],
-                    )[0]
+                if state.rules is not None:
+                    logits = state.rules.rows(logits[None], token_ids[b], [tokens[b]])[0]
                 token = self._next(state, logits, probs[b])
                 if token is None:
                     continue  # too unsure: stop before it (known before verification, so exact)
@@ -135,14 +125,8 @@ class DraftModelProposer(Proposer):
             for t, p in zip(tokens, probs, strict=True)
         ]
 
-    def constrain(
-        self,
-        state: DraftModelState,
-        penalties: Penalties | None,
-        constraint: Constraint | None,
-        prompt_len: int,
-    ) -> None:
-        state.penalties, state.constraint, state.prompt_len = penalties, constraint, prompt_len
+    def constrain(self, state: DraftModelState, rules: RequestRules) -> None:
+        state.rules = rules
 
     def _next(self, state: DraftModelState, logits: torch.Tensor, probs: list[torch.Tensor]) -> int | None:
         """The next draft token (sampled, its distribution appended to ``probs``), or None when the

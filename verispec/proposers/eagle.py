@@ -29,6 +29,13 @@ Draft keys and values of step 2 go to scratch slots past the cache's committed o
 step's true pairs overwrite, so nothing has to be rolled back after verification: the true features
 of what was accepted come in with the next update.
 Candidates are the draft's top tokens (deterministic), so sampling verification stays exact.
+
+With a request's penalties or grammar (:meth:`~verispec.proposers.heads_base.HeadsProposer.constrain`),
+each expanded node's draft logits are adjusted for its own context (the committed tokens plus its
+path) before its children are chosen: the same rows the verification will judge, so under a JSON
+schema the heads draft only tokens the grammar allows, with the probabilities renormalised over
+them, and the grammar's masks computed here are the ones verification reuses
+(:class:`~verispec.structured.Constraint` remembers them until the next committed token).
 """
 
 from __future__ import annotations
@@ -44,13 +51,14 @@ from verispec.heads.eagle import DraftCache, DraftRows, EagleDrafter
 from verispec.heads.trees import best_subtree
 from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
-from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization
+from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization, log_probs
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.penalties import RequestRules
 
 
 EXPAND_MIN_PROB = 0.05
@@ -66,6 +74,8 @@ class EagleState:
     """Target features received but not yet fed ([n, H] chunks, in order)."""
     last_out: torch.Tensor | None = None
     """[H]: the drafter's output at the last fed pair, its guess of the next target feature."""
+    rules: RequestRules | None = None
+    """The request's penalties and grammar, applied to the draft's rows as to the target's."""
 
 
 class EagleProposer(HeadsProposer):
@@ -133,8 +143,8 @@ class EagleProposer(HeadsProposer):
         floor = max(self.expand_min_logp, min_logp)
         self._catch_up(states, token_ids)
         trees = [
-            _Tree(state, k) if state.last_out is not None and k >= 1 else None
-            for state, k in zip(states, ks, strict=True)  # k < 1 or a one-token prompt: no draft
+            _Tree(state, k, ids) if state.last_out is not None and k >= 1 else None
+            for state, k, ids in zip(states, ks, token_ids, strict=True)  # k < 1, one-token prompt: none
         ]
         live = [t for t in trees if t is not None]
         if live:
@@ -145,7 +155,7 @@ class EagleProposer(HeadsProposer):
             for t in live:
                 if depth < t.k:
                     chosen = sorted(t.level, key=lambda n, t=t: -t.scores[n])[: self.width]
-                    if t.scores[chosen[0]] >= floor:
+                    if chosen and t.scores[chosen[0]] >= floor:
                         expanding.append((t, chosen))
             if not expanding:
                 break
@@ -155,9 +165,18 @@ class EagleProposer(HeadsProposer):
 
     def _add_children(self, parents: list[tuple[_Tree, int]], features: torch.Tensor) -> None:
         """Give each parent node (-1: the tree's root) its ``width`` best next tokens under the
-        drafter's outputs ``features [len(parents), H]``; the new nodes are their trees' newest
-        level. One LM-head product and one top-k for all of them."""
-        top_logp, top_idx = self._logp(features).topk(self.width, dim=-1)
+        drafter's outputs ``features [len(parents), H]`` (and its request's rules); the new nodes
+        are their trees' newest level. One LM-head product and one top-k for all of them."""
+        logits = self.vocab_head(features).float()
+        ruled: dict[int, tuple[_Tree, list[int]]] = {}
+        for row, (t, _) in enumerate(parents):
+            if t.state.rules is not None:
+                ruled.setdefault(id(t), (t, []))[1].append(row)
+        for t, rows in ruled.values():
+            paths = [t.path(parents[r][1]) for r in rows]
+            assert t.state.rules is not None
+            logits[rows] = self.under_rules(logits[rows], t.state.rules, t.ids, paths)
+        top_logp, top_idx = log_probs(logits).topk(self.width, dim=-1)  # -inf: ruled out, no child
         tokens = self.vocab_head.to_target(top_idx).tolist()
         for t, _ in parents:
             t.level = []
@@ -185,9 +204,6 @@ class EagleProposer(HeadsProposer):
             positions = torch.full((count,), t.state.fed + depth - 1, dtype=torch.long)
             groups.append(DraftRows(t.state.cache, slot, positions, mask))
         return self.drafter.step(embeds, features, groups)
-
-    def _logp(self, features: torch.Tensor) -> torch.Tensor:
-        return self.vocab_head(features).float().log_softmax(dim=-1)
 
     def _catch_up(self, states: Sequence[EagleState], token_ids: Sequence[Sequence[int]]) -> None:
         """Feed the pairs whose target features arrived since the last step: one pass for all
@@ -225,6 +241,8 @@ class _Tree:
 
     state: EagleState
     k: int
+    ids: Sequence[int]
+    """The sequence's committed token ids (the context of the root)."""
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -240,8 +258,18 @@ class _Tree:
     level: list[int] = field(default_factory=list)
     """The newest level's nodes."""
 
-    def best(self, nodes: int) -> DraftTree:
+    def best(self, nodes: int) -> Draft | DraftTree:
+        if not self.tokens:  # the rules allowed nothing the heads can draft
+            return Draft.empty()
         return best_subtree(self.tokens, self.parents, self.scores, nodes)
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root to ``node`` (-1: the root, an empty path)."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def add_children(
         self, parent: int, feature: torch.Tensor, tokens: list[int], logps: list[float]
@@ -251,6 +279,8 @@ class _Tree:
         ancestors = [] if parent < 0 else [*self.ancestors[parent], self.slot[parent]]
         new = []
         for tok, lp in zip(tokens, logps, strict=True):
+            if lp == -math.inf:  # ruled out (top-k fills a row with fewer allowed tokens than width)
+                continue
             new.append(len(self.tokens))
             self.tokens.append(tok)
             self.parents.append(parent)

@@ -9,6 +9,7 @@ tree defaults) without copying them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
 import torch
@@ -21,6 +22,7 @@ from verispec.proposers.base import Proposer
 if TYPE_CHECKING:
     from verispec.config import SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.penalties import RequestRules
 
 
 HeadsQuantization = Literal["none", "int8", "int4"]
@@ -41,6 +43,13 @@ def heads_quantization(target: Any) -> HeadsQuantization:
     from verispec.models.int4 import cpu_supports_int4
 
     return "int4" if cpu_supports_int4() else "int8"
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dimension, except that a row the request's rules left all -inf
+    (no drafted token allowed) stays all -inf instead of turning into NaN."""
+    logp = logits.float().log_softmax(dim=-1)
+    return logp.masked_fill(logp.isnan(), float("-inf"))
 
 
 class HeadsProposer(Proposer):
@@ -82,6 +91,27 @@ class HeadsProposer(Proposer):
 
     def max_tree_size(self, k: int) -> int:
         return self.nodes
+
+    def constrain(self, state: Any, rules: RequestRules) -> None:
+        state.rules = rules
+
+    def under_rules(
+        self,
+        logits: torch.Tensor,
+        rules: RequestRules,
+        token_ids: Sequence[int],
+        row_paths: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """Draft-vocabulary ``logits [R, N]`` as a request's rules adjust the target's: each row goes
+        to the target's vocabulary (-inf outside the draft's), through :meth:`RequestRules.rows` for
+        the committed ``token_ids`` plus its path, and back. A row may come back all -inf: the
+        grammar allows no token of the draft vocabulary there."""
+        ids = self.vocab_head.vocab
+        if not ids.numel():
+            return rules.rows(logits, token_ids, row_paths)
+        full = logits.new_full((logits.shape[0], self.vocab_head.target_size), float("-inf"))
+        full[:, ids] = logits
+        return rules.rows(full, token_ids, row_paths)[:, ids]
 
     @classmethod
     def from_loaded(cls, loaded: LoadedHeads, target: Any, spec: SpecConfig | None = None) -> Self:

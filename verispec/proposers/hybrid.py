@@ -38,6 +38,7 @@ from verispec.verify.tree import DraftTree
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.penalties import RequestRules
 
 
 @dataclass
@@ -81,6 +82,10 @@ class HybridProposer(Proposer):
             acceptance=AcceptanceEstimate(self.prior),
             chain=[],
         )
+
+    def constrain(self, state: HybridState, rules: RequestRules) -> None:
+        self.heads.constrain(state.heads, rules)
+        self.lookup.constrain(state.lookup, rules)
 
     def prefill(self, state: HybridState, hidden: torch.Tensor) -> None:
         self.heads.prefill(state.heads, hidden)

@@ -6,6 +6,13 @@ draft vocabulary; head i's top ``width`` tokens are the candidates at tree level
 ``nodes`` best paths by summed log-probability form the tree (:func:`~verispec.heads.trees.product_tree`).
 The candidates are deterministic, so verification stays exact for sampling too.
 
+With a request's rules (penalties, grammar), the first level is scored as the target's row there
+will be judged: the first head's logits are penalised and masked for the committed tokens (a mask
+verification then reuses, see :mod:`verispec.structured`). Deeper heads' candidates do not depend on
+the path above them, so under a grammar they are filtered instead of re-scored: each level offers
+``GRAMMAR_WIDENING`` times as many candidates, and a path the grammar forbids is not drafted
+(checking a path costs microseconds, a mask a millisecond).
+
 All sequences of a batch run through the heads and the LM head together: one small matmul per step.
 When the target runs int8 (the CPU fast path), the heads' Linears are made int8 as well: drafting
 reads a quarter of the bytes, and a draft only has to be good, not exact.
@@ -24,19 +31,27 @@ from verispec.heads.medusa import MedusaHeads
 from verispec.heads.trees import product_tree
 from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
-from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization
+from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization, log_probs
 from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.penalties import RequestRules
+
+
+GRAMMAR_WIDENING = 4
+"""Under a grammar, candidates per level beyond the first, as a multiple of the tree width: most of a
+head's top tokens may be forbidden after a given path (module docstring)."""
 
 
 @dataclass
 class MedusaState:
     last_hidden: torch.Tensor | None = None
     """[H]: the target's hidden state at the position before the pending token."""
+    rules: RequestRules | None = None
+    """The request's penalties and grammar (module docstring)."""
 
 
 class MedusaProposer(HeadsProposer):
@@ -89,11 +104,24 @@ class MedusaProposer(HeadsProposer):
         if not ready:
             return out  # a one-token prompt: nothing seen yet, the first step decodes plainly
         hidden = torch.stack([states[i].last_hidden for i in ready])  # type: ignore[misc]
-        logp = self.vocab_head(self.heads(hidden)).log_softmax(dim=-1)  # [B, K, N]
+        logits = self.vocab_head(self.heads(hidden)).float()  # [B, K, N]
+        for b, i in enumerate(ready):
+            rules = states[i].rules
+            if rules is not None:
+                logits[b, :1] = self.under_rules(logits[b, :1], rules, token_ids[i], [[]])
+        logp = log_probs(logits)  # [B, K, N]
         top_logp, top_idx = logp.topk(self.width, dim=-1)
         top_ids = self.vocab_head.to_target(top_idx)
         for b, i in enumerate(ready):
-            out[i] = product_tree(top_logp[b], top_ids[b], self.nodes, min(ks[i], self.num_heads))
+            rules = states[i].rules
+            depth = min(ks[i], self.num_heads)
+            if rules is None or rules.constraint is None:
+                tree = product_tree(top_logp[b], top_ids[b], self.nodes, depth)
+            else:
+                wide_logp, wide_idx = logp[b].topk(min(logp.shape[-1], self.width * GRAMMAR_WIDENING), dim=-1)
+                wide_ids = self.vocab_head.to_target(wide_idx)
+                tree = product_tree(wide_logp, wide_ids, self.nodes, depth, rules.constraint.fits)
+            out[i] = tree if tree.size else Draft.empty()
         return out
 
 

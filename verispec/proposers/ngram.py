@@ -11,6 +11,10 @@ for each n, a dict maps every n-gram seen to the position right after its most r
 *whose continuation is known*, i.e. that is followed by at least one token. The context's own tail
 has no known continuation yet, so it is not in the index and can never match itself; it is added
 when the next token arrives.
+
+Under a request's grammar the continuation is cut before its first token the grammar forbids
+(checked without a mask, in microseconds): such a token would be rejected anyway, and the tokens
+after it cost verification rows for nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from verispec.types import Draft
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.penalties import RequestRules
+    from verispec.structured import Constraint
 
 NgramKey = tuple[int, ...]
 
@@ -46,6 +52,8 @@ class NgramState:
     index: dict[int, dict[NgramKey, int]] = field(default_factory=dict)
     positions_indexed: int = 0
     """End positions indexed since the state was built; each position is indexed once (a work counter)."""
+    constraint: Constraint | None = None
+    """The request's grammar, following the committed output (see the module docstring)."""
 
     def __post_init__(self) -> None:
         self.index = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
@@ -109,9 +117,14 @@ class NgramProposer(Proposer):
         if k <= 0:
             return Draft.empty()
         continuation = state.lookup(k)
+        if continuation and state.constraint is not None:
+            continuation = continuation[: state.constraint.valid_prefix(continuation)]
         if not continuation:
             return Draft.empty()
         return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
+
+    def constrain(self, state: NgramState, rules: RequestRules) -> None:
+        state.constraint = rules.constraint
 
     def update(
         self,

@@ -1,0 +1,203 @@
+"""Learned heads and prompt lookup drafting under a request's grammar and penalties.
+
+The tiny random target with a real BPE tokenizer (tests/server/harness.py), heads trained on its own
+greedy text (tests/heads/tiny.py), EAGLE both over the full vocabulary and over a reduced draft
+vocabulary (the rules' rows then go through the target's vocabulary and back). Each test checks
+that drafts were proposed and accepted, so none passes vacuously.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.heads.tiny import trained
+from tests.server.harness import tiny_pair
+from tests.test_structured import (
+    ALPHA,
+    PROMPT,
+    REGEX,
+    SCHEMA,
+    SEEDS,
+    SHORT,
+    check,
+    exact_sequences,
+    fits,
+    sampled,
+)
+from verispec.config import NgramConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.heads.identity import identify
+from verispec.heads.io import LoadedHeads
+from verispec.models.hf import HFCausalLM
+from verispec.proposers.base import Proposer
+from verispec.proposers.eagle import EagleProposer
+from verispec.proposers.heads_base import HeadsProposer
+from verispec.proposers.hybrid import HybridProposer
+from verispec.proposers.medusa import MedusaProposer
+from verispec.proposers.ngram import NgramProposer
+from verispec.structured import Constraint, Structured
+from verispec.verify.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+JSON = Structured("json", SCHEMA)
+JSON_PROMPT = 'Like {"n": 12, "animal": "dog"}, '
+"""A prompt with JSON in it, so that prompt lookup has something to draft from."""
+METHODS = ["eagle", "eagle-vocab128", "medusa", "eagle+ngram", "ngram"]
+
+
+@pytest.fixture(scope="module")
+def target() -> HFCausalLM:
+    return tiny_pair()[0]
+
+
+def heads_proposer(target: HFCausalLM, name: str) -> HeadsProposer:
+    kind = name.split("-")[0]
+    vocab = 128 if name.endswith("vocab128") else 0
+    module, draft_vocab, _ = trained(target, kind, draft_vocab=vocab)
+    loaded = LoadedHeads(kind, module, identify(target), draft_vocab, {"nodes": 10, "width": 3})
+    cls = EagleProposer if kind == "eagle" else MedusaProposer
+    return cls.from_loaded(loaded, target)
+
+
+def proposer(target: HFCausalLM, name: str) -> Proposer:
+    lookup = NgramProposer(SpecConfig(ngram=NgramConfig(max_ngram=3, min_ngram=1)))
+    if name == "ngram":
+        return lookup
+    if name == "eagle+ngram":
+        return HybridProposer(heads_proposer(target, "eagle"), lookup)
+    return heads_proposer(target, name)
+
+
+def engine(target: HFCausalLM, name: str, k: int = 4) -> SpecEngine:
+    method = name.split("-")[0]
+    spec = SpecConfig(method=method, num_speculative_tokens=k, depth="fixed")  # type: ignore[arg-type]
+    return SpecEngine(target, proposer(target, name), spec, tokenizer=target.tokenizer)
+
+
+def record_drafts(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each path drafted for the one running request fitted its grammar when it was drafted
+    (the matcher moves on once tokens are committed, so this is checked inside the proposal). Paths
+    are cut after an end-of-sequence token: drafting past it is harmless (verification stops there)
+    and a finished matcher accepts nothing more."""
+    fitted: list[bool] = []
+    proposer = spec.proposer
+    assert proposer is not None
+    original = proposer.propose_batch
+    eos = set(spec.target.eos_token_ids)
+
+    def spy(states, token_ids, ks, **kwargs):
+        drafts = original(states, token_ids, ks, **kwargs)
+        (seq,) = spec.running
+        assert seq.rules is not None and seq.rules.constraint is not None
+        for draft in drafts:
+            paths = [p for p in drafted(draft) if not eos.intersection(p[:-1])]
+            fitted.extend(seq.rules.constraint.fits(path) for path in paths)
+        return drafts
+
+    monkeypatch.setattr(proposer, "propose_batch", spy)
+    return fitted
+
+
+def drafted(draft: object) -> list[list[int]]:
+    """Every path of a draft chain or tree, from its first token."""
+    tokens = draft.tokens.tolist()  # type: ignore[attr-defined]
+    if not isinstance(draft, DraftTree):
+        return [tokens[: j + 1] for j in range(len(tokens))]
+    paths: list[list[int]] = []
+    for token, parent in zip(tokens, draft.parents.tolist(), strict=True):
+        paths.append([*(paths[parent] if parent >= 0 else []), token])
+    return paths
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize(
+    ("structured", "prompt"), [(REGEX, PROMPT), (JSON, JSON_PROMPT)], ids=["regex", "json"]
+)
+def test_greedy_constrained_speculation_equals_plain(target, name, structured, prompt):
+    spec = engine(target, name)
+    got = spec.generate(prompt, max_new_tokens=60, structured=structured)
+    want = spec.plain_engine().generate(prompt, max_new_tokens=60, structured=structured)
+    assert got.token_ids == want.token_ids and fits(structured, got.text), got.text
+    assert got.stats.num_accepted > 0
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_drafts_stay_within_the_grammar(target, name, monkeypatch):
+    spec = engine(target, name)
+    fitted = record_drafts(spec, monkeypatch)
+    got = spec.generate(JSON_PROMPT, max_new_tokens=60, structured=JSON)
+    assert fitted and all(fitted) and got.stats.num_accepted > 0
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa", "ngram"])
+def test_told_nothing_of_the_grammar_drafts_leave_it(target, name, monkeypatch):
+    """The power of the check above: the same proposers, not given the request's rules, draft
+    paths the grammar forbids."""
+    spec = engine(target, name)
+    monkeypatch.setattr(spec.proposer, "constrain", lambda state, rules: None)
+    fitted = record_drafts(spec, monkeypatch)
+    spec.generate(JSON_PROMPT, max_new_tokens=60, structured=JSON)
+    assert fitted and not all(fitted)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-vocab128"])
+def test_eagle_drafts_with_the_penalties(target, name, monkeypatch):
+    """The token EAGLE drafts most often is banned by ``logit_bias`` (and a repetition penalty is
+    on): it is never drafted, drafts are still accepted, and greedy output equals plain decoding's
+    under the same penalties."""
+    spec = engine(target, name)
+    drafted_tokens: Counter[int] = Counter()
+    original = spec.proposer.propose_batch
+
+    def spy(states, token_ids, ks, **kwargs):
+        drafts = original(states, token_ids, ks, **kwargs)
+        for draft in drafts:
+            drafted_tokens.update(draft.tokens.tolist())
+        return drafts
+
+    monkeypatch.setattr(spec.proposer, "propose_batch", spy)
+    spec.generate(PROMPT, max_new_tokens=40)
+    (banned, _), *_ = drafted_tokens.most_common(1)
+    drafted_tokens.clear()
+    rules = {"logit_bias": {banned: -100.0}, "repetition_penalty": 1.3}
+    got = spec.generate(PROMPT, max_new_tokens=40, **rules)
+    want = spec.plain_engine().generate(PROMPT, max_new_tokens=40, **rules)
+    assert got.token_ids == want.token_ids and banned not in got.token_ids
+    assert drafted_tokens and banned not in drafted_tokens and got.stats.num_accepted > 0
+
+
+def test_verification_reuses_the_masks_drafting_computed(target, monkeypatch):
+    """EAGLE masks each expanded node's row for its path; verification needs the same rows' masks
+    and takes them from the matcher's memory instead of computing them again."""
+    spec = engine(target, "eagle")
+    asked, computed = [0], [0]
+    masks, mask_after = Constraint.masks, Constraint._mask_after
+
+    def count_masks(self, row_paths):
+        asked[0] += len(row_paths)
+        return masks(self, row_paths)
+
+    def count_computed(self, path):
+        computed[0] += 1
+        return mask_after(self, path)
+
+    monkeypatch.setattr(Constraint, "masks", count_masks)
+    monkeypatch.setattr(Constraint, "_mask_after", count_computed)
+    got = spec.generate(JSON_PROMPT, max_new_tokens=60, structured=JSON)
+    assert got.stats.num_drafted > 0
+    assert 0 < computed[0] < asked[0] * 0.75, (computed, asked)
+
+
+def test_eagle_under_a_grammar_samples_the_constrained_target(target):
+    """Sampling at temperature 1 with EAGLE drafting under the grammar: the sequences follow the
+    exactly enumerated constrained target distribution (every outcome of a short grammar)."""
+    spec = engine(target, "eagle", k=3)
+    exact = exact_sequences(target, spec, SHORT)
+    assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) >= 12
+    counts, drafted_count, accepted = sampled(spec, SHORT, SEEDS)
+    assert 0 < accepted < drafted_count
+    statistic, p = check(counts, exact)
+    assert p > ALPHA, (statistic, p, counts.most_common(8))
