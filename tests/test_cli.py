@@ -73,6 +73,8 @@ def test_generate_with_penalties_matches_plain(tiny_folders):
         (["--json-schema", "@/no/such/file"], "No such file"),
         (["--regex", "a+"], "structured output needs a tokenizer"),
         (["--method", "draft"], "draft model"),
+        (["--suffix", "x"], "suffix needs a tokenizer"),
+        (["--suffix", "x", "--chat"], "does not go with --chat"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(tiny_folders, args, message):

@@ -147,6 +147,25 @@ def test_prompt_errors(tiny_target):
         engine.generate("text needs a tokenizer")
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_stop_token_ids_end_the_output_even_inside_an_accepted_draft(tiny_target, tiny_draft, method):
+    """A stop token ends the output where plain decoding's would end, whether it is committed as a
+    draft token, the bonus token or alone; the tokens after it in the same step are dropped."""
+    engine = make_engine(tiny_target, tiny_draft, method, k=4)
+    prompt = [5, 17, 42, 8, 9, 61, 3, 5, 17, 42]
+    full = engine.generate(prompt, max_new_tokens=40)
+    assert full.stats.num_accepted > 0
+    for cut in (5, 11, 23):
+        stop = full.token_ids[cut]
+        first = full.token_ids.index(stop)
+        got = engine.generate(prompt, max_new_tokens=40, stop_token_ids=[stop])
+        want = engine.plain_engine().generate(prompt, max_new_tokens=40, stop_token_ids=[stop])
+        assert got.token_ids == want.token_ids == full.token_ids[: first + 1]
+        assert got.finish_reason == "stop"
+    with pytest.raises(VerispecError, match="stop_token_ids out of range"):
+        engine.make_request(prompt, stop_token_ids=[10_000])
+
+
 def test_generation_stops_at_context_end(tiny_target, tiny_draft):
     engine = make_engine(tiny_target, tiny_draft, "draft", k=6)
     gen = engine.generate([7] * 500, max_new_tokens=100)

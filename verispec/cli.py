@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="send the prompt as a user message via the chat template"
     )
     gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument(
+        "--suffix",
+        default=None,
+        help="text after the completion: fill in the middle between the prompt and this "
+        "(models trained for it, such as Qwen2.5-Coder)",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
@@ -312,12 +318,19 @@ def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt.strip():
         raise VerispecError("the prompt is empty")
+    if args.suffix is not None and args.chat:
+        raise VerispecError("--suffix fills in the middle of a plain prompt; it does not go with --chat")
     engine = load_engine(args)
-    if args.chat:
+    stop_token_ids: tuple[int, ...] = ()
+    if args.suffix is not None:
+        fim = engine.fill_in_middle(prompt, args.suffix)
+        prompt_ids: Any = fim.ids
+        stop_token_ids = fim.stop_token_ids
+    elif args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
-        prompt_ids: Any = engine.apply_chat_template(messages)
+        prompt_ids = engine.apply_chat_template(messages)
     else:
         prompt_ids = prompt if engine.tokenizer is not None else _parse_token_ids(prompt)
     sampling = dict(
@@ -327,6 +340,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop,
+        stop_token_ids=stop_token_ids,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,

@@ -36,6 +36,7 @@ from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SamplingConfig
 from verispec.costs import StepCostModel, load_or_measure
 from verispec.detok import IncrementalDetokenizer, token_bytes_table
 from verispec.errors import QueueFullError, VerispecError
+from verispec.fim import FimPrompt, fim_prompt
 from verispec.metrics import SpecStats
 from verispec.models.base import CausalLM, KVCache
 from verispec.penalties import Penalties, RequestRules, chain_paths, tree_paths
@@ -79,6 +80,8 @@ class Request:
     """Logit bias and repetition penalties, applied to each verified row for its own context."""
     grammar: str | None = None
     """llguidance grammar the output must match (:mod:`verispec.structured`), masked the same way."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """Tokens that end the output as EOS does (finish reason ``stop``)."""
 
 
 @dataclass
@@ -191,6 +194,7 @@ class SpecEngine:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Seq[str] = (),
+        stop_token_ids: Seq[int] = (),
         num_speculative_tokens: int | None = None,
         request_id: str | None = None,
         logprobs: int | None = None,
@@ -212,6 +216,8 @@ class SpecEngine:
         (:mod:`verispec.penalties`); log-probabilities stay the target's raw ones, as vLLM's default.
         ``structured`` constrains the output to a JSON schema, regex, choice or Lark grammar
         (:mod:`verispec.structured`); the grammar is compiled here, so a bad one is refused here.
+        ``stop_token_ids`` end the output like EOS does (kept in ``token_ids``, finish reason
+        ``stop``), as vLLM's.
         """
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -235,6 +241,9 @@ class SpecEngine:
             )
         if stop and self.tokenizer is None:
             raise VerispecError("stop strings need a tokenizer; this model folder has none")
+        bad = [t for t in stop_token_ids if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise VerispecError(f"stop_token_ids out of range [0, {self.target.vocab_size}): {bad[:5]}")
         k = self.spec.num_speculative_tokens
         if num_speculative_tokens is not None:
             if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -256,6 +265,7 @@ class SpecEngine:
             prompt_logprobs=prompt_logprobs,
             penalties=penalties if penalties.active else None,
             grammar=grammar,
+            stop_token_ids=frozenset(stop_token_ids),
             **extra,
         )
 
@@ -602,7 +612,7 @@ class SpecEngine:
             text = seq.detok.add(token) if seq.detok else ""
             if token in eos_ids:
                 finish = "eos"
-            elif seq.detok and seq.detok.stopped:
+            elif token in seq.request.stop_token_ids or (seq.detok and seq.detok.stopped):
                 finish = "stop"
             elif seq.num_generated >= seq.budget:
                 finish = "length"
@@ -752,6 +762,12 @@ class SpecEngine:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+    def fill_in_middle(self, prefix: str, suffix: str) -> FimPrompt:
+        """The prompt ids asking the target for the text between ``prefix`` and ``suffix``, and the
+        tokens that end it (pass them as ``stop_token_ids``; :mod:`verispec.fim`). Refused for a
+        model not trained for it."""
+        return fim_prompt(self._require_tokenizer("suffix"), prefix, suffix)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

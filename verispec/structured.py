@@ -55,7 +55,7 @@ class Structured:
 
         if self.kind == "json":
             schema = self.spec if isinstance(self.spec, str) else json.dumps(self.spec)
-            # One line, single spaces after ':' and ',' (unless the schema's "x-guidance" says
+            # Compact, on one line, no space after ':' or ',' (unless the schema's "x-guidance" says
             # otherwise): with free whitespace a model can pad forever instead of writing values.
             return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         if self.kind == "regex" and isinstance(self.spec, str):

@@ -88,7 +88,11 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", None),
         ({"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias", None),
         ({"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias.5", None),
-        ({"prompt": "hi", "suffix": "x"}, "suffix", "unsupported_parameter"),
+        ({"prompt": "hi", "suffix": "x"}, "suffix", None),  # the tiny model has no FIM tokens
+        ({"prompt": [5, 6], "suffix": "x"}, "suffix", "unsupported_parameter"),
+        ({"prompt": "hi", "suffix": 5}, "suffix", None),
+        ({"prompt": "hi", "stop_token_ids": [320]}, "stop_token_ids", None),
+        ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids[0]", None),
         ({"prompt": "hi", "speculation": {"enabled": "yes"}}, "speculation.enabled", None),
         (
             {"prompt": "hi", "speculation": {"num_speculative_tokens": 65}},

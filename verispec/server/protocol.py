@@ -3,7 +3,7 @@
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
 clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (``suffix``, ``best_of``) are declared
+change the result in ways this server does not implement (``best_of`` above 1) are declared
 so that a request asking for them gets a 400 that names them, never a silently different answer.
 Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks are
 documented in :mod:`verispec.server`.
@@ -93,6 +93,8 @@ class SamplingRequest(_Strict):
     seed: integer(ge=-(2**63), le=2**64 - 1) | None = None  # type: ignore[valid-type]
     stop: str | list[str] | None = None
     """Stop strings (the output ends before the first match); needs a model with a tokenizer."""
+    stop_token_ids: list[integer(ge=0)] | None = None  # type: ignore[valid-type]
+    """vLLM's extension: token ids that end the output as EOS does (kept out of the text if special)."""
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: integer(ge=1, le=MAX_CHOICES) | None = None  # type: ignore[valid-type]
@@ -125,8 +127,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     """Return the prompt before the completion; with ``logprobs``, the prompt's tokens are scored
     too (the first gets null), which is how evaluation harnesses ask for a text's likelihood."""
-    suffix: str | None = only(enum=[None])
-    """Not supported."""
+    suffix: str | None = None
+    """Text after the completion: the prompt and this become a fill-in-the-middle prompt for models
+    trained for it (:mod:`verispec.fim`; others get a 400)."""
     best_of: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
     """Only 1 is supported."""
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]

@@ -60,8 +60,12 @@ def reject_unsupported(body: SamplingRequest) -> None:
     refusals: list[tuple[bool, str, str]] = []
     if isinstance(body, CompletionRequest):
         refusals += [
-            (body.suffix is not None, "suffix", "suffix is not supported"),
             (body.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
+            (
+                body.suffix is not None and not isinstance(single_prompt(body), str),
+                "suffix",
+                "suffix needs a text prompt",
+            ),
         ]
     if isinstance(body, ChatCompletionRequest):
         refusals += [
@@ -141,12 +145,13 @@ def build_request(
     asked_by, structured = _structured(body)
     offered = _offered_tools(body) if isinstance(body, ChatCompletionRequest) else None
     if isinstance(body, ChatCompletionRequest):
-        ids, source, prompt = _chat_ids(engine, body, offered), "messages", None
+        ids, source, prompt, ends = _chat_ids(engine, body, offered), "messages", None, ()
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
     else:
         prompt = single_prompt(body)
-        ids, source = _prompt_ids(engine, prompt), "prompt"
+        ids, ends = _prompt_ids(engine, prompt, body.suffix)
+        source = "prompt"
         max_tokens = body.max_tokens
         logprobs = body.logprobs
     context = engine.target.max_context
@@ -188,6 +193,7 @@ def build_request(
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=stop,
+            stop_token_ids=[*(body.stop_token_ids or []), *ends],
             num_speculative_tokens=None
             if spec is None
             else (spec.num_speculative_tokens if spec.enabled else 0),
@@ -325,9 +331,13 @@ def _choices(engine: SpecEngine, request: Request, n: int) -> list[Request]:
     return out
 
 
-def _prompt_ids(engine: SpecEngine, prompt: str | list[int]) -> list[int]:
+def _prompt_ids(
+    engine: SpecEngine, prompt: str | list[int], suffix: str | None = None
+) -> tuple[list[int], tuple[int, ...]]:
+    """A completion's prompt ids and the tokens that end its output besides EOS: with ``suffix``, a
+    fill-in-the-middle prompt and the end-of-text tokens that close a middle (:mod:`verispec.fim`)."""
     limit = engine.target.max_context * MAX_CHARS_PER_TOKEN
-    if isinstance(prompt, str) and len(prompt) > limit:
+    if isinstance(prompt, str) and len(prompt) + len(suffix or "") > limit:
         raise APIError(
             400,
             f"the prompt has {len(prompt)} characters, far more than the model's context of "
@@ -335,8 +345,15 @@ def _prompt_ids(engine: SpecEngine, prompt: str | list[int]) -> list[int]:
             param="prompt",
             code="context_length_exceeded",
         )
+    if suffix is not None:
+        assert isinstance(prompt, str)  # reject_unsupported refused token ids with a suffix
+        try:
+            fim = engine.fill_in_middle(prompt, suffix)
+        except VerispecError as exc:
+            raise APIError(400, str(exc), param="suffix") from exc
+        return fim.ids, fim.stop_token_ids
     try:
-        return engine.encode(prompt)
+        return engine.encode(prompt), ()
     except VerispecError as exc:
         raise APIError(400, str(exc), param="prompt") from exc
 
@@ -377,6 +394,7 @@ def _param_of(message: str) -> str | None:
         ("top_k", "top_k"),
         ("top_p", "top_p"),
         ("num_speculative_tokens", "speculation.num_speculative_tokens"),
+        ("stop_token_ids", "stop_token_ids"),
         ("stop", "stop"),
         ("max_new_tokens", "max_tokens"),
         ("logprobs", "logprobs"),
