@@ -14,18 +14,7 @@ import pytest
 
 from tests.heads.tiny import trained
 from tests.server.harness import tiny_pair
-from tests.test_structured import (
-    ALPHA,
-    PROMPT,
-    REGEX,
-    SCHEMA,
-    SEEDS,
-    SHORT,
-    check,
-    exact_sequences,
-    fits,
-    sampled,
-)
+from tests.test_structured import PROMPT, REGEX, SCHEMA, assert_samples_follow_the_constrained_target, fits
 from verispec.config import NgramConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.heads.identity import identify
@@ -194,10 +183,4 @@ def test_verification_reuses_the_masks_drafting_computed(target, monkeypatch):
 def test_eagle_under_a_grammar_samples_the_constrained_target(target):
     """Sampling at temperature 1 with EAGLE drafting under the grammar: the sequences follow the
     exactly enumerated constrained target distribution (every outcome of a short grammar)."""
-    spec = engine(target, "eagle", k=3)
-    exact = exact_sequences(target, spec, SHORT)
-    assert abs(sum(exact.values()) - 1) < 1e-6 and len(exact) >= 12
-    counts, drafted_count, accepted = sampled(spec, SHORT, SEEDS)
-    assert 0 < accepted < drafted_count
-    statistic, p = check(counts, exact)
-    assert p > ALPHA, (statistic, p, counts.most_common(8))
+    assert_samples_follow_the_constrained_target(target, engine(target, "eagle", k=3))

@@ -1,4 +1,6 @@
-"""The tiny speculative server most server tests share (a module may define its own ``server``)."""
+"""The servers the server tests share: the tiny speculative one most use (a module may define its own
+``server``), and the real Qwen2.5-Coder-0.5B with prompt lookup, started once for every test that
+asks for ``qwen_server`` (tools, structured output, fill in the middle)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+import verispec
 from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair
 
 
@@ -21,3 +24,14 @@ def server() -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
     return server.client()
+
+
+@pytest.fixture(scope="session")
+def qwen_server() -> Iterator[LiveServer]:
+    """Qwen2.5-Coder-0.5B-Instruct drafting with prompt lookup (k = 4, fixed depth), served as ``qwen``
+    (the modules using it skip themselves where the bundled models are not installed)."""
+    engine = verispec.load(
+        "qwen2.5-coder-0.5b-instruct", method="ngram", num_speculative_tokens=4, depth="fixed"
+    )
+    with live_server(engine, name="qwen") as live:
+        yield live

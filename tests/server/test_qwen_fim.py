@@ -4,13 +4,10 @@ speculation (prompt lookup) returns the same text as plain decoding, with drafts
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-import verispec
 from tests.conftest import bundled_installed
-from tests.server.harness import LiveServer, live_server
+from tests.server.harness import LiveServer
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,12 +21,8 @@ SUFFIX = "\n\n\nprint(is_palindrome('level'))\n"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[LiveServer]:
-    engine = verispec.load(
-        "qwen2.5-coder-0.5b-instruct", method="ngram", num_speculative_tokens=4, depth="fixed"
-    )
-    with live_server(engine, name="qwen") as live:
-        yield live
+def server(qwen_server: LiveServer) -> LiveServer:
+    return qwen_server
 
 
 def test_the_middle_is_filled_in_and_speculation_changes_nothing(server):

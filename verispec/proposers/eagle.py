@@ -168,14 +168,13 @@ class EagleProposer(HeadsProposer):
         drafter's outputs ``features [len(parents), H]`` (and its request's rules); the new nodes
         are their trees' newest level. One LM-head product and one top-k for all of them."""
         logits = self.vocab_head(features).float()
-        ruled: dict[int, tuple[_Tree, list[int]]] = {}
+        ruled: dict[int, tuple[_Tree, RequestRules, list[int]]] = {}
         for row, (t, _) in enumerate(parents):
             if t.state.rules is not None:
-                ruled.setdefault(id(t), (t, []))[1].append(row)
-        for t, rows in ruled.values():
+                ruled.setdefault(id(t), (t, t.state.rules, []))[2].append(row)
+        for t, rules, rows in ruled.values():
             paths = [t.path(parents[r][1]) for r in rows]
-            assert t.state.rules is not None
-            logits[rows] = self.under_rules(logits[rows], t.state.rules, t.ids, paths)
+            logits[rows] = self.under_rules(logits[rows], rules, t.ids, paths)
         top_logp, top_idx = log_probs(logits).topk(self.width, dim=-1)  # -inf: ruled out, no child
         tokens = self.vocab_head.to_target(top_idx).tolist()
         for t, _ in parents:
