@@ -20,6 +20,7 @@ from verispec.engine import SpecEngine
 from verispec.heads.identity import identify
 from verispec.heads.io import LoadedHeads
 from verispec.models.hf import HFCausalLM
+from verispec.penalties import chain_paths, tree_paths
 from verispec.proposers.base import Proposer
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.heads_base import HeadsProposer
@@ -27,6 +28,7 @@ from verispec.proposers.hybrid import HybridProposer
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.structured import Constraint, Structured
+from verispec.types import Draft
 from verispec.verify.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -90,15 +92,13 @@ def record_drafts(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[boo
     return fitted
 
 
-def drafted(draft: object) -> list[list[int]]:
-    """Every path of a draft chain or tree, from its first token."""
-    tokens = draft.tokens.tolist()  # type: ignore[attr-defined]
-    if not isinstance(draft, DraftTree):
-        return [tokens[: j + 1] for j in range(len(tokens))]
-    paths: list[list[int]] = []
-    for token, parent in zip(tokens, draft.parents.tolist(), strict=True):
-        paths.append([*(paths[parent] if parent >= 0 else []), token])
-    return paths
+def drafted(draft: Draft | DraftTree) -> list[list[int]]:
+    """Every path of a draft chain or tree, from its first token: the verification rows' paths
+    (:mod:`verispec.penalties`) without the root's empty one."""
+    tokens = draft.tokens.tolist()
+    if isinstance(draft, DraftTree):
+        return tree_paths(tokens, draft.parents.tolist())[1:]
+    return chain_paths(tokens)[1:]
 
 
 @pytest.mark.parametrize("name", METHODS)
