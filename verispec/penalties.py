@@ -155,7 +155,7 @@ class RequestRules:
             logits = adjust_logits(
                 logits,
                 self.penalties,
-                token_ids[: self.prompt_len],
+                (),  # the prompt is in the mask; slicing it out again would copy it on every call
                 token_ids[self.prompt_len :],
                 row_paths,
                 self._prompt_seen,

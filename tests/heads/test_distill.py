@@ -240,6 +240,7 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(
     share = [{"conversations": t} for t in turns]
     (tmp_path / "share.json").write_text(json.dumps(share))  # CI has no ShareGPT package (training data)
     monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: tmp_path / "share.json")
+    monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: tmp_path / "share.json")  # unpacking
     out = tmp_path / "d.jsonl"
     args = ["distill", "--target", "smollm2-135m-instruct", "--out", str(out), "--chat", "2", "--code", "2",
             "--max-new-tokens", "24", "--quiet", "--threads", "2"]  # fmt: skip
@@ -253,7 +254,8 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(
         assert r["completion_ids"] == gen.token_ids and r["completion"] == gen.text
         if r["kind"] == "text":
             assert plain.encode(r["text"]) == r["prompt_ids"]
-    assert "4 replies written now, 4 records" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "4 replies written now" in printed and "4 records" in printed
     assert main(args) == 0
     assert len(read_records(out)) == 4 and "0 replies written now" in capsys.readouterr().out
     # More prompts later: only the new ones are answered.
@@ -263,3 +265,13 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(
         f.write('{"id": "cut off')  # an interrupted write
     assert distill(engine, extra, out, max_new_tokens=8, progress=False) == 1
     assert len(read_records(out)) == 5 and read_records(out)[-1]["id"] == "extra:0"
+    # Kept in git as a pack and made again elsewhere: the real chat template rebuilds the same prompts.
+    pack = tmp_path / "p.jsonl.gz"
+    only = ["distill", "--target", "smollm2-135m-instruct", "--chat", "0", "--code", "0", "--quiet",
+            "--threads", "2"]  # fmt: skip
+    assert main([*only, "--out", str(out), "--pack", str(pack)]) == 0
+    assert main([*only, "--out", str(tmp_path / "again.jsonl"), "--unpack", str(pack)]) == 0
+    assert "5 replies added" in capsys.readouterr().out
+    keys = ("id", "kind", "text", "prompt_ids", "completion_ids", "finish_reason", "target_config_sha256")
+    again = read_records(tmp_path / "again.jsonl")
+    assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in read_records(out)]

@@ -52,13 +52,21 @@ def sharegpt_prompts(limit: int, seed: int = 0) -> list[DistillPrompt]:
     random.Random(seed).shuffle(order)  # the same permutation data.py applies to the same list
     out: list[DistillPrompt] = []
     for i in reversed(order):
-        first = conversations[i][0]
-        if first["role"] != "user" or not 16 <= len(first["content"]) <= 2000:
-            continue
-        out.append(DistillPrompt(f"sharegpt:{i}", "chat", messages=(("user", first["content"]),)))
+        prompt = sharegpt_prompt(i, conversations[i])
+        if prompt is not None:
+            out.append(prompt)
         if len(out) >= limit:
             break
     return out
+
+
+def sharegpt_prompt(index: int, conversation: list[dict[str, str]]) -> DistillPrompt | None:
+    """The prompt ``sharegpt:<index>``: the conversation's first turn where it is a user's of
+    16-2000 characters, else none. Its id is enough to make it again (:mod:`verispec.heads.pack`)."""
+    first = conversation[0]
+    if first["role"] != "user" or not 16 <= len(first["content"]) <= 2000:
+        return None
+    return DistillPrompt(f"sharegpt:{index}", "chat", messages=(("user", first["content"]),))
 
 
 CODE_KINDS = ("functions", "methods")
@@ -253,37 +261,57 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--max-batch-size", type=int, default=24, help="prompts decoding together")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--unpack", type=Path, default=None, metavar="PACK",
+        help="first add a pack's replies (e.g. data/distill/<target>.jsonl.gz) to --out, prompts rebuilt "
+        "and checked, so that the run answers only what the pack lacks",
+    )  # fmt: skip
+    p.add_argument(
+        "--pack", type=Path, default=None, metavar="PACK",
+        help="at the end, write --out's replies as a pack (token ids, no ShareGPT text) to keep in git",
+    )  # fmt: skip
     add_load_flags(p)
 
 
 def run_distill(args: Any) -> int:
     import verispec
+    from verispec.heads import pack
 
-    if args.chat < 0 or args.code < 0 or args.chat + args.code == 0:
-        raise VerispecError("--chat and --code must be >= 0 and not both 0")
+    if args.chat < 0 or args.code < 0 or (args.chat + args.code == 0 and not (args.pack or args.unpack)):
+        raise VerispecError("--chat and --code must be >= 0 and not both 0 (unless packing or unpacking)")
     if args.code_per_file < 1:
         raise VerispecError(f"--code-per-file must be >= 1, got {args.code_per_file}")
+    if args.unpack is not None:
+        pack.read_pack(args.unpack)  # not a pack: said before any model loads
     chat = sharegpt_prompts(args.chat, args.seed) if args.chat else []
     code = stdlib_prompts(args.code, args.seed, args.code_per_file, args.code_from) if args.code else []
     prompts = [p for pair in zip_longest(chat, code) for p in pair if p is not None]  # both kinds early
-    engine = verispec.load(
-        args.target,
-        method=None if args.method == "none" else args.method,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        quantization=args.quantization,
-        max_batch_size=args.max_batch_size,
-    )
-    written = distill(
-        engine,
-        prompts,
-        args.out,
-        max_new_tokens=args.max_new_tokens,
-        chunk=4 * args.max_batch_size,  # few short batches at each chunk's end (20 vs 12 prompts/min)
-        progress=not args.quiet,
-    )
+    if prompts or args.unpack is not None:
+        engine = verispec.load(
+            args.target,
+            method=None if args.method == "none" else args.method,
+            device=args.device,
+            dtype=args.dtype,
+            threads=args.threads,
+            quantization=args.quantization,
+            max_batch_size=args.max_batch_size,
+        )
+        if args.unpack is not None:
+            identity = identify(engine.target)
+            added = pack.unpack(args.unpack, args.out, identity, lambda p: _prompt_ids(engine, p))
+            print(f"{args.out}: {added} replies added from {args.unpack}")
+        written = distill(
+            engine,
+            prompts,
+            args.out,
+            max_new_tokens=args.max_new_tokens,
+            chunk=4 * args.max_batch_size,  # few short batches at each chunk's end (20 vs 12 prompts/min)
+            progress=not args.quiet,
+        )
+        print(f"{args.out}: {written} replies written now")
     records = read_records(args.out)
     tokens = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in records)
-    print(f"{args.out}: {written} replies written now, {len(records)} records, {tokens} tokens in all")
+    print(f"{args.out}: {len(records)} records, {tokens} tokens in all")
+    if args.pack is not None:
+        print(f"{args.pack}: {pack.write_pack(records, args.pack)} replies packed")
     return 0

@@ -59,14 +59,7 @@ def reject_unsupported(body: SamplingRequest) -> None:
     """400 for options that would change the answer in ways this server does not implement."""
     refusals: list[tuple[bool, str, str]] = []
     if isinstance(body, CompletionRequest):
-        refusals += [
-            (body.best_of not in (None, 1), "best_of", "only best_of=1 is supported"),
-            (
-                body.suffix is not None and not isinstance(single_prompt(body), str),
-                "suffix",
-                "suffix needs a text prompt",
-            ),
-        ]
+        refusals += [(body.best_of not in (None, 1), "best_of", "only best_of=1 is supported")]
     if isinstance(body, ChatCompletionRequest):
         refusals += [
             (
@@ -346,7 +339,8 @@ def _prompt_ids(
             code="context_length_exceeded",
         )
     if suffix is not None:
-        assert isinstance(prompt, str)  # reject_unsupported refused token ids with a suffix
+        if not isinstance(prompt, str):
+            raise APIError(400, "suffix needs a text prompt", param="suffix", code="unsupported_parameter")
         try:
             fim = engine.fill_in_middle(prompt, suffix)
         except VerispecError as exc:

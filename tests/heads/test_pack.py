@@ -1,0 +1,156 @@
+"""Distill packs: replies kept in git without ShareGPT's text, rebuilt into full records and checked."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from verispec.cli import main
+from verispec.errors import VerispecError
+from verispec.heads.distill import DistillPrompt, read_records
+from verispec.heads.identity import TargetIdentity
+from verispec.heads.pack import prompt_hash, read_pack, unpack, write_pack
+
+QUESTIONS = ["What is the capital of France, and why?", "short", "Explain recursion to a child, please."]
+ME = TargetIdentity("tiny", 100, 8, "a" * 64, ())
+
+
+def encode(prompt: DistillPrompt) -> list[int]:
+    """A stand-in for the chat template: the user's text (or the raw text) as character codes."""
+    text = prompt.messages[0][1] if prompt.kind == "chat" else prompt.text
+    return [ord(c) % 90 + 1 for c in "<user>" * (prompt.kind == "chat") + text]
+
+
+@pytest.fixture
+def share(tmp_path, monkeypatch):
+    """A three-conversation ShareGPT file in place of the package (CI does not install it)."""
+    turns = [[{"from": "human", "value": q}, {"from": "gpt", "value": "an answer"}] for q in QUESTIONS]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([{"conversations": t} for t in turns]))
+    monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: path)
+    return path
+
+
+def records() -> list[dict]:
+    """Records as `verispec distill` writes them: two chat replies, one code completion."""
+    prompts = [
+        DistillPrompt("sharegpt:2", "chat", messages=(("user", QUESTIONS[2]),)),
+        DistillPrompt("stdlib:os:join", "text", text="def join(a, *p):\n    "),
+        DistillPrompt("sharegpt:0", "chat", messages=(("user", QUESTIONS[0]),)),
+    ]
+    out = []
+    for i, p in enumerate(prompts):
+        out.append({
+            "id": p.id, "kind": p.kind, "messages": [list(m) for m in p.messages], "text": p.text,
+            "prompt_ids": encode(p), "completion_ids": [i + 1, i + 2, 3], "completion": "x",
+            "finish_reason": "length" if i else "stop", "target": "tiny", "target_config_sha256": "a" * 64,
+        })  # fmt: skip
+    return out
+
+
+def written(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_pack_round_trips_to_the_same_records_without_sharegpt_text(tmp_path, share):
+    pack = tmp_path / "p.jsonl.gz"
+    assert write_pack(records(), pack) == 3
+    raw = gzip.decompress(pack.read_bytes()).decode()
+    assert QUESTIONS[0] not in raw and QUESTIONS[2] not in raw  # chat prompts are ids only
+    assert "def join(a, *p)" in raw  # standard-library prompts (PSF license) are kept
+    header, packed = read_pack(pack)
+    assert header["target"] == "tiny"
+    assert [r["id"] for r in packed] == ["sharegpt:2", "stdlib:os:join", "sharegpt:0"]
+    out = tmp_path / "d.jsonl"
+    assert unpack(pack, out, ME, encode) == 3
+    keys = ("id", "kind", "messages", "text", "prompt_ids", "completion_ids", "finish_reason", "target",
+            "target_config_sha256")  # fmt: skip
+
+    def fields(rows):
+        return [{k: r[k] for k in keys} for r in rows]
+
+    assert fields(read_records(out)) == fields(records())
+
+
+def test_pack_bytes_depend_only_on_the_records(tmp_path):
+    write_pack(records(), tmp_path / "a.gz")
+    write_pack(records(), tmp_path / "b.gz")
+    assert (tmp_path / "a.gz").read_bytes() == (tmp_path / "b.gz").read_bytes()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_unpack_adds_only_what_the_file_lacks(tmp_path, share):
+    pack = tmp_path / "p.gz"
+    write_pack(records(), pack)
+    out = written(tmp_path / "d.jsonl", records()[1:2])
+    assert unpack(pack, out, ME, encode) == 2
+    assert unpack(pack, out, ME, encode) == 0
+    assert [r["id"] for r in read_records(out)] == ["stdlib:os:join", "sharegpt:2", "sharegpt:0"]
+
+
+def test_prompts_that_tokenize_otherwise_are_refused_and_nothing_is_written(tmp_path, share):
+    pack = tmp_path / "p.gz"
+    write_pack(records(), pack)
+    out = tmp_path / "d.jsonl"
+
+    def other_template(prompt: DistillPrompt) -> list[int]:
+        return encode(prompt) + ([7] if prompt.id == "sharegpt:0" else [])
+
+    with pytest.raises(VerispecError, match="sharegpt:0 tokenizes to other ids"):
+        unpack(pack, out, ME, other_template)
+    assert read_records(out) == []
+
+
+def test_a_prompt_the_installed_package_lacks_is_refused(tmp_path, share):
+    pack = tmp_path / "p.gz"
+    rows = records()
+    rows[0]["id"] = "sharegpt:1"  # in the file, but its first turn is too short to be a prompt
+    rows[2]["id"] = "sharegpt:9"  # past the file's end
+    write_pack(rows[:1], pack)
+    with pytest.raises(VerispecError, match="sharegpt:1 is not a prompt of the installed ShareGPT"):
+        unpack(pack, tmp_path / "d.jsonl", ME, encode)
+    write_pack(rows[2:], pack)
+    with pytest.raises(VerispecError, match="sharegpt:9 is not a prompt"):
+        unpack(pack, tmp_path / "d.jsonl", ME, encode)
+
+
+def test_another_targets_pack_is_refused(tmp_path, share):
+    pack = tmp_path / "p.gz"
+    write_pack(records(), pack)
+    other = TargetIdentity("big", 100, 8, "b" * 64, ())
+    with pytest.raises(VerispecError, match="replies of tiny, not of big"):
+        unpack(pack, tmp_path / "d.jsonl", other, encode)
+
+
+def test_what_cannot_be_packed_or_read_says_why(tmp_path):
+    rows = records()
+    with pytest.raises(VerispecError, match="no records"):
+        write_pack([], tmp_path / "p.gz")
+    with pytest.raises(VerispecError, match="one target"):
+        write_pack([rows[0], {**rows[1], "target_config_sha256": "b" * 64}], tmp_path / "p.gz")
+    with pytest.raises(VerispecError, match="only ShareGPT chat prompts"):
+        write_pack([{**rows[0], "id": "mine:0"}], tmp_path / "p.gz")
+    with pytest.raises(VerispecError, match="is not a distill pack"):
+        read_pack(written(tmp_path / "d.jsonl", rows))  # a records file, not gzipped
+    (tmp_path / "h.gz").write_bytes(gzip.compress(b'{"format": "other"}\n'))
+    with pytest.raises(VerispecError, match="no verispec-distill-pack header"):
+        read_pack(tmp_path / "h.gz")
+    (tmp_path / "v.gz").write_bytes(gzip.compress(b'{"format": "verispec-distill-pack", "version": 9}\n'))
+    with pytest.raises(VerispecError, match="version 9 pack"):
+        read_pack(tmp_path / "v.gz")
+    assert prompt_hash([1, 2]) != prompt_hash([12]) and len(prompt_hash([1])) == 16
+
+
+def test_the_command_packs_without_loading_a_model_and_checks_a_pack_first(tmp_path, capsys):
+    out = written(tmp_path / "d.jsonl", records())
+    pack = tmp_path / "p.gz"
+    args = ["distill", "--target", "no-such-model", "--out", str(out), "--chat", "0", "--code", "0"]
+    assert main([*args, "--pack", str(pack)]) == 0
+    assert "3 replies packed" in capsys.readouterr().out and len(read_pack(pack)[1]) == 3
+    assert main([*args, "--unpack", str(out)]) == 2  # not a pack: said before the (missing) model
+    assert "is not a distill pack" in capsys.readouterr().err
+    assert main(args) == 2
+    assert "not both 0" in capsys.readouterr().err
