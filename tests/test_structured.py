@@ -126,6 +126,38 @@ def test_masks_are_computed_once_per_path_until_a_token_is_committed(pair, monke
     assert len(computed) == 3 and torch.equal(after[0], first[1])
 
 
+def test_forced_tokens_are_the_grammars_next_text_for_any_path(pair, monkeypatch):
+    """What the grammar forces after the committed tokens plus a path: the schema's opening and
+    first key at the start, the rest of it part way in, nothing where the next token is a choice or
+    the path leaves the grammar; remembered per path until a token is committed."""
+    target, _ = pair
+    tok = target.tokenizer
+    constraint = make_engine(target, None, None)._constraint(Structured("json", SCHEMA).grammar())
+    opening = constraint.forced([])
+    assert tok.decode(opening) == '{"n":'
+    assert constraint.forced(opening[:2]) == opening[2:] and constraint.forced(opening) == []  # a number next
+    assert constraint.forced(tok.encode("[", add_special_tokens=False)) == []  # not JSON of this schema
+    calls: list[int] = []
+    monkeypatch.setattr(constraint, "matcher", _Counting(constraint.matcher, calls))
+    assert constraint.forced([]) == opening and not calls  # remembered
+    constraint.advance(opening[0])
+    assert constraint.forced([]) == opening[1:] and len(calls) == 1
+
+
+class _Counting:
+    """A matcher that counts ``compute_ff_tokens`` calls and passes everything else on."""
+
+    def __init__(self, matcher, calls: list[int]) -> None:
+        self._matcher, self._calls = matcher, calls
+
+    def compute_ff_tokens(self):
+        self._calls.append(1)
+        return self._matcher.compute_ff_tokens()
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
 @pytest.mark.parametrize(
     ("structured", "message"),
     [

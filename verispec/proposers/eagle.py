@@ -166,20 +166,35 @@ class EagleProposer(HeadsProposer):
     def _add_children(self, parents: list[tuple[_Tree, int]], features: torch.Tensor) -> None:
         """Give each parent node (-1: the tree's root) its ``width`` best next tokens under the
         drafter's outputs ``features [len(parents), H]`` (and its request's rules); the new nodes
-        are their trees' newest level. One LM-head product and one top-k for all of them."""
+        are their trees' newest level. One LM-head product and one top-k for all of them.
+
+        Where the grammar forces the next token (:meth:`~verispec.structured.Constraint.forced`:
+        a schema's next key, its quotes and colon) that token is the node's only child, with
+        certainty, in or out of the draft vocabulary: the heads cannot know the key names, and
+        llguidance's masks allow only the canonical tokens of forced text, so out of the draft
+        vocabulary the heads would have no child to offer at all. The target writes them (NOTES
+        session 28), and the tree spends its nodes on the values the heads can guess."""
         logits = self.vocab_head(features).float()
         ruled: dict[int, tuple[_Tree, RequestRules, list[int]]] = {}
         for row, (t, _) in enumerate(parents):
             if t.state.rules is not None:
                 ruled.setdefault(id(t), (t, t.state.rules, []))[2].append(row)
+        forced: dict[int, int] = {}
         for t, rules, rows in ruled.values():
             paths = [t.path(parents[r][1]) for r in rows]
             logits[rows] = self.under_rules(logits[rows], rules, t.ids, paths)
+            if rules.constraint is not None:
+                for row, path in zip(rows, paths, strict=True):
+                    if next_forced := rules.constraint.forced(path)[:1]:
+                        forced[row] = next_forced[0]
         top_logp, top_idx = log_probs(logits).topk(self.width, dim=-1)  # -inf: ruled out, no child
         tokens = self.vocab_head.to_target(top_idx).tolist()
+        logps = top_logp.tolist()
+        for row, token in forced.items():
+            tokens[row], logps[row] = [token], [0.0]
         for t, _ in parents:
             t.level = []
-        rows = zip(parents, features, tokens, top_logp.tolist(), strict=True)
+        rows = zip(parents, features, tokens, logps, strict=True)
         for (t, parent), feature, toks, logps in rows:
             t.level += t.add_children(parent, feature, toks, logps)
 

@@ -117,8 +117,11 @@ class NgramProposer(Proposer):
         if k <= 0:
             return Draft.empty()
         continuation = state.lookup(k)
-        if continuation and state.constraint is not None:
+        if state.constraint is not None:
+            # Within the grammar, then on with the tokens it forces there (a schema's next key):
+            # lookup knows them only where the context happens to hold them.
             continuation = continuation[: state.constraint.valid_prefix(continuation)]
+            continuation += state.constraint.forced(continuation)[: k - len(continuation)]
         if not continuation:
             return Draft.empty()
         return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
