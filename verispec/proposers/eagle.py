@@ -195,8 +195,8 @@ class EagleProposer(HeadsProposer):
         for t, _ in parents:
             t.level = []
         rows = zip(parents, features, tokens, logps, strict=True)
-        for (t, parent), feature, toks, logps in rows:
-            t.level += t.add_children(parent, feature, toks, logps)
+        for (t, parent), feature, toks, row_logps in rows:
+            t.level += t.add_children(parent, feature, toks, row_logps)
 
     def _expand(self, expanding: list[tuple[_Tree, list[int]]], depth: int) -> torch.Tensor:
         """One drafter pass over the chosen nodes of several trees, ``[rows, H]`` in their order:

@@ -121,7 +121,8 @@ class NgramProposer(Proposer):
             # Within the grammar, then on with the tokens it forces there (a schema's next key):
             # lookup knows them only where the context happens to hold them.
             continuation = continuation[: state.constraint.valid_prefix(continuation)]
-            continuation += state.constraint.forced(continuation)[: k - len(continuation)]
+            if len(continuation) < k:
+                continuation += state.constraint.forced(continuation)[: k - len(continuation)]
         if not continuation:
             return Draft.empty()
         return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
