@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ import torch
 from verispec.errors import VerispecError
 
 StructuredKind = Literal["json", "regex", "choice", "grammar"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -133,23 +134,23 @@ class Constraint:
         key = tuple(path)
         known = self._forced.get(key)
         if known is None:
-            known = []
-            if not path or self.fits(path):
-                if path and not self.matcher.consume_tokens(list(path)):
-                    raise VerispecError(f"structured output: {self.matcher.get_error()}")
-                known = list(self.matcher.compute_ff_tokens())
-                self._rollback(len(path))
-            self._forced[key] = known
+            known = self._forced[key] = self._after(key, lambda: list(self.matcher.compute_ff_tokens())) or []
         return list(known)
 
     def _mask_after(self, path: list[int]) -> torch.Tensor:
+        allowed = self._after(path, self.allowed)
+        return torch.ones(self.vocab_size, dtype=torch.bool) if allowed is None else allowed
+
+    def _after(self, path: Sequence[int], compute: Callable[[], T]) -> T | None:
+        """``compute()`` with the matcher moved on by ``path`` and rolled back after; None where
+        ``path`` leaves the grammar (a row no verification can reach)."""
         if path and not self.fits(path):
-            return torch.ones(self.vocab_size, dtype=torch.bool)
-        if path and not self.matcher.consume_tokens(path):
+            return None
+        if path and not self.matcher.consume_tokens(list(path)):
             raise VerispecError(f"structured output: {self.matcher.get_error()}")
-        allowed = self.allowed()
+        out = compute()
         self._rollback(len(path))
-        return allowed
+        return out
 
     def advance(self, token: int) -> None:
         """Consume a committed token (one the masks allowed)."""

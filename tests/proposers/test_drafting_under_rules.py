@@ -139,24 +139,36 @@ def test_eagle_drafts_with_the_penalties(target, name, monkeypatch):
     on): it is never drafted, drafts are still accepted, and greedy output equals plain decoding's
     under the same penalties."""
     spec = engine(target, name)
-    drafted_tokens: Counter[int] = Counter()
-    original = spec.proposer.propose_batch
-
-    def spy(states, token_ids, ks, **kwargs):
-        drafts = original(states, token_ids, ks, **kwargs)
-        for draft in drafts:
-            drafted_tokens.update(draft.tokens.tolist())
-        return drafts
-
-    monkeypatch.setattr(spec.proposer, "propose_batch", spy)
+    drafts = proposals(spec, monkeypatch)
     spec.generate(PROMPT, max_new_tokens=40)
-    (banned, _), *_ = drafted_tokens.most_common(1)
-    drafted_tokens.clear()
+    (banned, _), *_ = drafted_tokens(drafts).most_common(1)
+    drafts.clear()
     rules = {"logit_bias": {banned: -100.0}, "repetition_penalty": 1.3}
     got = spec.generate(PROMPT, max_new_tokens=40, **rules)
     want = spec.plain_engine().generate(PROMPT, max_new_tokens=40, **rules)
     assert got.token_ids == want.token_ids and banned not in got.token_ids
-    assert drafted_tokens and banned not in drafted_tokens and got.stats.num_accepted > 0
+    tokens = drafted_tokens(drafts)
+    assert tokens and banned not in tokens and got.stats.num_accepted > 0
+
+
+def proposals(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[Draft | DraftTree]:
+    """Every draft the engine's proposer returns from now on, in order (a list the caller may clear)."""
+    drafts: list[Draft | DraftTree] = []
+    proposer = spec.proposer
+    assert proposer is not None
+    original = proposer.propose_batch
+
+    def spy(states, token_ids, ks, **kwargs):
+        out = original(states, token_ids, ks, **kwargs)
+        drafts.extend(out)
+        return out
+
+    monkeypatch.setattr(proposer, "propose_batch", spy)
+    return drafts
+
+
+def drafted_tokens(drafts: list[Draft | DraftTree]) -> Counter[int]:
+    return Counter(t for draft in drafts for t in draft.tokens.tolist())
 
 
 def test_verification_reuses_the_masks_drafting_computed(target, monkeypatch):
@@ -243,15 +255,7 @@ def test_the_first_draft_under_a_schema_is_its_forced_opening(target, name, monk
     those tokens as its best path (EAGLE scores them as certain), also where they are outside the
     heads' reduced vocabulary (the 128-token one here lacks ``"``)."""
     spec = engine(target, name, k=4)
-    drafts: list[Draft | DraftTree] = []
-    original = spec.proposer.propose_batch
-
-    def spy(states, token_ids, ks, **kwargs):
-        out = original(states, token_ids, ks, **kwargs)
-        drafts.extend(out)
-        return out
-
-    monkeypatch.setattr(spec.proposer, "propose_batch", spy)
+    drafts = proposals(spec, monkeypatch)
     spec.generate(PROMPT, max_new_tokens=8, structured=LONG_KEYS)
     constraint = spec.plain_engine()._constraint(LONG_KEYS.grammar())
     opening = constraint.forced([])[:4]
