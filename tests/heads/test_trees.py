@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import pytest
 import torch
 
 from verispec.heads.trees import best_subtree, product_tree
@@ -81,6 +82,36 @@ def test_product_tree_keeps_the_best_paths_that_fit():
         check_order(tree, score)
     nothing = product_tree(logp, ids, 10, depth=3, fits=lambda path: False)
     assert nothing.size == 0
+
+
+def test_product_tree_drafts_forced_tokens_as_the_only_child():
+    """Where ``forced`` names tokens (a grammar's next key), the first is the path's only child,
+    scored as certain (its parent's score), even where no head offers it; the level below it takes
+    the next head's candidates. Paths not forced keep the heads' candidates."""
+    logp = torch.tensor([[-0.2, -1.0], [-0.3, -2.0], [-0.4, -3.0]])
+    ids = torch.tensor([[10, 11], [20, 21], [30, 31]])
+    table = {(): [7, 8], (10,): [99]}  # the opening is forced, and path (10,) forces 99 next
+
+    def forced(path: list[int]) -> list[int]:
+        return table.get(tuple(path), [])
+
+    tree = product_tree(logp, ids, nodes=6, depth=3, forced=forced)
+    assert paths_of(tree)[:3] == [(7,), (7, 20), (7, 20, 30)]  # root forced, then heads 2 and 3
+    assert tree.scores is not None and tree.scores[:3].tolist() == pytest.approx([0.0, -0.3, -0.7])
+    table[(7,)] = [5]  # now forced at the second level as well: no sibling there
+    tree = product_tree(logp, ids, nodes=6, depth=3, forced=forced)
+    assert paths_of(tree) == [(7,), (7, 5), (7, 5, 30), (7, 5, 31)]
+    assert tree.scores.tolist() == pytest.approx([0.0, 0.0, -0.4, -3.0])
+    table.pop(())
+    table.pop((7,))
+    tree = product_tree(logp, ids, nodes=4, depth=3, forced=forced)
+    assert paths_of(tree) == [(10,), (10, 99), (10, 99, 30), (11,)]
+    assert tree.scores.tolist() == pytest.approx([-0.2, -0.2, -0.6, -1.0])
+    table.update({(10, 99, 30): [1], (10, 99, 30, 1): [2]})  # forced past the last head, up to depth
+    tree = product_tree(logp, ids, nodes=4, depth=5, forced=forced)
+    assert paths_of(tree) == [(10,), (10, 99), (10, 99, 30), (10, 99, 30, 1)]
+    assert paths_of(product_tree(logp, ids, nodes=9, depth=5, forced=forced))[4] == (10, 99, 30, 1, 2)
+    assert max(len(p) for p in paths_of(product_tree(logp, ids, nodes=50, depth=5))) == 3  # no forcing
 
 
 def test_best_subtree_is_closed_under_parents_and_ordered():

@@ -249,10 +249,12 @@ def test_forced_tokens_are_drafted_and_accepted(target, name, monkeypatch):
         assert blind.stats.num_accepted == 0 and got.stats.num_accepted > 30
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle-vocab128", "eagle+ngram", "ngram"])
+@pytest.mark.parametrize(
+    "name", ["eagle", "eagle-vocab128", "medusa", "medusa-vocab128", "eagle+ngram", "ngram"]
+)
 def test_the_first_draft_under_a_schema_is_its_forced_opening(target, name, monkeypatch):
     """Before any output, a schema forces its opening and first key: the first draft holds exactly
-    those tokens as its best path (EAGLE scores them as certain), also where they are outside the
+    those tokens as its best path (the heads score them as certain), also where they are outside the
     heads' reduced vocabulary (the 128-token one here lacks ``"``)."""
     spec = engine(target, name, k=4)
     drafts = proposals(spec, monkeypatch)

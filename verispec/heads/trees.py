@@ -15,12 +15,16 @@ verification stays exact.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable
 
 import torch
 
 from verispec.verify.tree import DraftTree
+
+_FORCED = -1
+"""The rank of a heap entry that holds a token the grammar forces (:func:`product_tree`)."""
 
 
 def product_tree(
@@ -29,6 +33,7 @@ def product_tree(
     nodes: int,
     depth: int,
     fits: Callable[[list[int]], bool] | None = None,
+    forced: Callable[[list[int]], list[int]] | None = None,
 ) -> DraftTree:
     """Medusa: level i's candidates are head i's top tokens, whatever the path above them.
 
@@ -39,9 +44,14 @@ def product_tree(
     ``fits(path)``: whether a path may be drafted at all (a request's grammar); a path that does not
     fit is dropped with everything below it, and its next sibling still gets its turn. A candidate
     of log-probability -inf (masked out) is never drafted.
+    ``forced(path)``: the tokens a request's grammar forces after a path (a schema's next key); where
+    there are some, the first is the node's only child, scored 0 (certain), and the levels below it
+    take the next heads' candidates as usual; forced tokens may go deeper than the heads (up to
+    ``depth``). The heads cannot guess key names, and under a grammar their candidates there are
+    masked down to nothing (:meth:`~verispec.structured.Constraint.forced`).
     """
-    depth = min(depth, top_logp.shape[0])
-    width = top_logp.shape[1]
+    heads, width = top_logp.shape
+    depth = depth if forced is not None else min(depth, heads)
     logp = top_logp.tolist()
     ids = top_ids.tolist()
     tokens: list[int] = []
@@ -50,27 +60,41 @@ def product_tree(
     paths: list[list[int]] = []
     if depth <= 0 or nodes <= 0:
         return DraftTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
-    # (-score, tie, level, parent node, rank at this level, score of the parent)
-    heap: list[tuple[float, int, int, int, int, float]] = [(-logp[0][0], 0, 0, -1, 0, 0.0)]
-    tie = 1
+
+    tie = itertools.count()
+
+    def first_child(
+        level: int, parent: int, base: float
+    ) -> list[tuple[float, int, int, int, int, float, int]]:
+        """The heap entry of a parent's (-1: the root's) best child, if any: the forced token if
+        there is one, else the level's best candidate (none below the last head)."""
+        now = forced(paths[parent] if parent >= 0 else []) if forced is not None else []
+        if now:
+            return [(-base, next(tie), level, parent, _FORCED, base, now[0])]
+        return [(-(base + logp[level][0]), next(tie), level, parent, 0, base, -1)] if level < heads else []
+
+    # (-score, tie, level, parent node, rank at this level, score of the parent, forced token)
+    heap = first_child(0, -1, 0.0)
     while heap and len(tokens) < nodes:
-        neg, _, level, parent, rank, base = heapq.heappop(heap)
-        if rank + 1 < width:
-            heapq.heappush(heap, (-(base + logp[level][rank + 1]), tie, level, parent, rank + 1, base))
-            tie += 1
-        if neg == math.inf:  # ruled out by the request's rules (and so is every later sibling)
-            continue
-        path = [*(paths[parent] if parent >= 0 else []), ids[level][rank]]
-        if fits is not None and not fits(path):
+        neg, _, level, parent, rank, base, token = heapq.heappop(heap)
+        if rank != _FORCED:
+            if rank + 1 < width:
+                sibling = (-(base + logp[level][rank + 1]), next(tie), level, parent, rank + 1, base, -1)
+                heapq.heappush(heap, sibling)
+            if neg == math.inf:  # ruled out by the request's rules (and so is every later sibling)
+                continue
+            token = ids[level][rank]
+        path = [*(paths[parent] if parent >= 0 else []), token]
+        if rank != _FORCED and fits is not None and not fits(path):
             continue
         me = len(tokens)
-        tokens.append(ids[level][rank])
+        tokens.append(token)
         parents.append(parent)
         scores.append(-neg)
         paths.append(path)
         if level + 1 < depth:
-            heapq.heappush(heap, (neg - logp[level + 1][0], tie, level + 1, me, 0, -neg))
-            tie += 1
+            for child in first_child(level + 1, me, -neg):
+                heapq.heappush(heap, child)
     return DraftTree(
         torch.tensor(tokens, dtype=torch.long),
         torch.tensor(parents, dtype=torch.long),

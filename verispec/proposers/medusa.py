@@ -11,7 +11,9 @@ will be judged: the first head's logits are penalised and masked for the committ
 verification then reuses, see :mod:`verispec.structured`). Deeper heads' candidates do not depend on
 the path above them, so under a grammar they are filtered instead of re-scored: each level offers
 ``GRAMMAR_WIDENING`` times as many candidates, and a path the grammar forbids is not drafted
-(checking a path costs microseconds, a mask a millisecond).
+(checking a path costs microseconds, a mask a millisecond). Where the grammar forces the next token
+(a schema's key and its punctuation) that token is the path's only continuation, as in EAGLE: the
+heads would not guess key names, and the grammar's mask leaves them nothing else to offer there.
 
 All sequences of a batch run through the heads and the LM head together: one small matmul per step.
 When the target runs int8 (the CPU fast path), the heads' Linears are made int8 as well: drafting
@@ -69,7 +71,6 @@ class MedusaProposer(HeadsProposer):
     ) -> None:
         super().__init__(heads, vocab_head, nodes=nodes, width=width, quantize=quantize)
         self.heads = heads
-        self.num_heads = heads.config.num_heads
 
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> MedusaState:
         return MedusaState()
@@ -114,13 +115,15 @@ class MedusaProposer(HeadsProposer):
         top_ids = self.vocab_head.to_target(top_idx)
         for b, i in enumerate(ready):
             rules = states[i].rules
-            depth = min(ks[i], self.num_heads)
             if rules is None or rules.constraint is None:
-                tree = product_tree(top_logp[b], top_ids[b], self.nodes, depth)
+                tree = product_tree(top_logp[b], top_ids[b], self.nodes, ks[i])
             else:
                 wide_logp, wide_idx = logp[b].topk(min(logp.shape[-1], self.width * GRAMMAR_WIDENING), dim=-1)
                 wide_ids = self.vocab_head.to_target(wide_idx)
-                tree = product_tree(wide_logp, wide_ids, self.nodes, depth, rules.constraint.fits)
+                constraint = rules.constraint
+                tree = product_tree(
+                    wide_logp, wide_ids, self.nodes, ks[i], constraint.fits, constraint.forced
+                )
             out[i] = tree if tree.size else Draft.empty()
         return out
 
