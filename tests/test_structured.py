@@ -66,6 +66,20 @@ def test_greedy_constrained_speculation_equals_plain(pair, structured):
     assert spec.generate(PROMPT, max_new_tokens=60).text != got.text  # the grammar did something
 
 
+def test_a_batch_gives_each_prompt_its_own_grammar(pair):
+    """``generate_batch(each=...)``: prompts decoding together, one under a grammar and one free, write
+    what each writes alone (the distill command's JSON-mode prompts share batches with plain ones)."""
+    target, draft = pair
+    spec = make_engine(target, draft, "draft", k=3)
+    json_mode = Structured("json", SCHEMA)
+    got = spec.generate_batch([PROMPT, PROMPT], each=[{"structured": json_mode}, {}], max_new_tokens=40)
+    assert got[0].token_ids == spec.generate(PROMPT, max_new_tokens=40, structured=json_mode).token_ids
+    assert got[1].token_ids == spec.generate(PROMPT, max_new_tokens=40).token_ids
+    assert fits(json_mode, got[0].text) and got[0].text != got[1].text
+    with pytest.raises(VerispecError, match="each: 1 settings for 2 prompts"):
+        spec.generate_batch([PROMPT, PROMPT], each=[{}])
+
+
 def test_the_draft_model_drafts_within_the_grammar(pair):
     """The target as its own draft: every draft is accepted only if the draft is masked exactly as
     the target's rows are."""

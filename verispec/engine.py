@@ -692,9 +692,15 @@ class SpecEngine:
         """Generate to completion; see :meth:`make_request` for the arguments."""
         return self.generate_batch([prompt], **kwargs)[0]
 
-    def generate_batch(self, prompts: Seq[Prompt], **kwargs: Any) -> list[Generation]:
-        """Generate for several prompts decoding together in batches (same settings for each)."""
-        requests = [self.make_request(p, **kwargs) for p in prompts]
+    def generate_batch(
+        self, prompts: Seq[Prompt], *, each: Seq[Mapping[str, Any]] | None = None, **kwargs: Any
+    ) -> list[Generation]:
+        """Generate for several prompts decoding together in batches: the same settings for each,
+        except those ``each[i]`` gives prompt i (e.g. its own ``structured`` output)."""
+        if each is not None and len(each) != len(prompts):
+            raise VerispecError(f"each: {len(each)} settings for {len(prompts)} prompts")
+        own = each if each is not None else [{}] * len(prompts)
+        requests = [self.make_request(p, **{**kwargs, **mine}) for p, mine in zip(prompts, own, strict=True)]
         events: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
         scores: dict[str, list[TokenLogprobs | None] | None] = {}
         for out in self._drive(requests):

