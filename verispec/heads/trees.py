@@ -50,8 +50,7 @@ def product_tree(
     ``depth``). The heads cannot guess key names, and under a grammar their candidates there are
     masked down to nothing (:meth:`~verispec.structured.Constraint.forced`).
     """
-    heads, width = top_logp.shape
-    depth = depth if forced is not None else min(depth, heads)
+    heads, width = top_logp.shape  # no level below the last head has candidates (first_child)
     logp = top_logp.tolist()
     ids = top_ids.tolist()
     tokens: list[int] = []
