@@ -137,6 +137,18 @@ def test_a_prompt_the_installed_package_lacks_is_refused(tmp_path, share):
         unpack(pack, tmp_path / "d.jsonl", ME, encode)
 
 
+def test_a_code_prompt_without_its_code_is_refused_as_such(tmp_path, share):
+    pack = tmp_path / "p.gz"
+    write_pack(records()[4:], pack)  # the JSON-mode function prompt; write_pack keeps its code
+    lines = gzip.decompress(pack.read_bytes()).decode().splitlines()
+    edited = json.loads(lines[1])
+    edited.pop("text")  # a hand-edited pack
+    pack.write_bytes(gzip.compress((lines[0] + "\n" + json.dumps(edited) + "\n").encode()))
+    with pytest.raises(VerispecError, match="json-function:stdlib:os:join has no code to rebuild it from"):
+        unpack(pack, tmp_path / "d.jsonl", ME, encode)
+    assert read_records(tmp_path / "d.jsonl") == []
+
+
 def test_another_targets_pack_is_refused(tmp_path, share):
     pack = tmp_path / "p.gz"
     write_pack(records(), pack)

@@ -168,15 +168,15 @@ def rebuild_prompt(
     """The prompt with this id again (None if it cannot be): a raw ``text`` prompt, a ShareGPT one
     (``conversation(index)`` gives that conversation, None past the end), or a JSON-mode one made
     of either (:mod:`verispec.heads.pack` keeps ids and code, never ShareGPT text)."""
-    if not rebuildable(id, kind, text):
-        return None
-    if kind == "text":
-        return DistillPrompt(id, "text", text=text)
-    if id.startswith("json-function:"):
+    if kind == "text" or id.startswith("json-function:"):
+        if not text:
+            return None
+        if kind == "text":
+            return DistillPrompt(id, "text", text=text)
         return json_function_prompt(DistillPrompt(id.removeprefix("json-function:"), "text", text=text))
     index = sharegpt_index(id)
     found = conversation(index) if index is not None else None
-    if index is None or found is None:
+    if found is None:
         return None
     question = sharegpt_prompt(index, found)
     if question is None:

@@ -135,7 +135,12 @@ def _rebuild(
     for r in packed:
         prompt = rebuild_prompt(r["id"], r["kind"], r.get("text", ""), conversation)
         if prompt is None:
-            raise VerispecError(f"{path}: {r['id']} is not a prompt of the installed ShareGPT package")
+            what = (
+                "has no code to rebuild it from"
+                if r.get("kind") == "text" or r["id"].startswith("json-function:")
+                else "is not a prompt of the installed ShareGPT package"
+            )
+            raise VerispecError(f"{path}: {r['id']} {what}")
         ids = prompt_ids(prompt)
         if prompt_hash(ids) != r["prompt_ids_sha256"]:
             raise VerispecError(
