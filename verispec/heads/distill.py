@@ -155,9 +155,15 @@ def sharegpt_index(id: str) -> int | None:
     return None
 
 
+def made_of_code(id: str, kind: str) -> bool:
+    """Whether this prompt is rebuilt from code a pack keeps as ``text`` (a raw completion, or a
+    function described in JSON), rather than from a ShareGPT conversation named by its id."""
+    return kind == "text" or id.startswith("json-function:")
+
+
 def rebuildable(id: str, kind: str, text: str) -> bool:
     """Whether :func:`rebuild_prompt` can make this prompt again from what a pack keeps."""
-    if kind == "text" or id.startswith("json-function:"):
+    if made_of_code(id, kind):
         return bool(text)
     return sharegpt_index(id) is not None
 
@@ -168,11 +174,11 @@ def rebuild_prompt(
     """The prompt with this id again (None if it cannot be): a raw ``text`` prompt, a ShareGPT one
     (``conversation(index)`` gives that conversation, None past the end), or a JSON-mode one made
     of either (:mod:`verispec.heads.pack` keeps ids and code, never ShareGPT text)."""
-    if kind == "text" or id.startswith("json-function:"):
-        if not text:
-            return None
-        if kind == "text":
-            return DistillPrompt(id, "text", text=text)
+    if made_of_code(id, kind) and not text:
+        return None
+    if kind == "text":
+        return DistillPrompt(id, "text", text=text)
+    if id.startswith("json-function:"):
         return json_function_prompt(DistillPrompt(id.removeprefix("json-function:"), "text", text=text))
     index = sharegpt_index(id)
     found = conversation(index) if index is not None else None

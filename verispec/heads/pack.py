@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec.errors import VerispecError
-from verispec.heads.distill import DistillPrompt, read_records, rebuild_prompt, rebuildable
+from verispec.heads.distill import DistillPrompt, made_of_code, read_records, rebuild_prompt, rebuildable
 from verispec.heads.identity import TargetIdentity
 
 FORMAT = "verispec-distill-pack"
@@ -137,7 +137,7 @@ def _rebuild(
         if prompt is None:
             what = (
                 "has no code to rebuild it from"
-                if r.get("kind") == "text" or r["id"].startswith("json-function:")
+                if made_of_code(r["id"], r["kind"])
                 else "is not a prompt of the installed ShareGPT package"
             )
             raise VerispecError(f"{path}: {r['id']} {what}")
