@@ -76,6 +76,10 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "hi", "n": 0}, "n", None),
         ({"prompt": "hi", "n": 129}, "n", None),
         ({"prompt": "hi", "n": 4}, "n", None),  # more than this server's batch of 2 and queue of 1
+        ({"prompt": "hi", "best_of": 4}, "best_of", None),  # the same for the choices best_of makes
+        ({"prompt": "hi", "best_of": 0}, "best_of", None),
+        ({"prompt": "hi", "n": 2, "best_of": 1}, "best_of", "unsupported_parameter"),
+        ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of", "unsupported_parameter"),
         ({"prompt": "hi", "logprobs": 21}, "logprobs", None),
         ({"prompt": "hi", "logprobs": -1}, "logprobs", None),
         ({"prompt": "hi", "logprobs": True}, "logprobs", None),

@@ -269,6 +269,48 @@ def test_n_choices_are_seeded_samples_of_their_own(client):
     )
 
 
+def mean_logprob(choice: Any) -> float:
+    return sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs)
+
+
+def test_best_of_returns_the_choices_with_the_highest_logprob_per_token(client):
+    """best_of = 3 generates what n = 3 does (same seeds) and returns the n best by mean logprob,
+    best first, without logprobs unless asked; usage counts all three."""
+    kwargs: dict[str, Any] = {
+        "model": "tiny-spec",
+        "prompt": "hello world",
+        "max_tokens": 8,
+        "temperature": 1.0,
+    }
+    every = client.completions.create(n=3, seed=11, logprobs=0, **kwargs).choices
+    ranked = sorted(every, key=mean_logprob, reverse=True)
+    assert len({c.text for c in every}) == 3 and mean_logprob(ranked[0]) > mean_logprob(ranked[2])
+    assert ranked[0].index != 0  # so returning the first choice would fail
+    best = client.completions.create(best_of=3, seed=11, **kwargs)
+    assert [c.text for c in best.choices] == [ranked[0].text] and best.choices[0].index == 0
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 24
+    assert best.model_extra["verispec"]["stats"]["output_tokens"] == 24
+    two = client.completions.create(n=2, best_of=3, seed=11, logprobs=0, **kwargs).choices
+    assert [c.text for c in two] == [ranked[0].text, ranked[1].text] and [c.index for c in two] == [0, 1]
+    assert [c.logprobs.token_logprobs for c in two] == [
+        ranked[0].logprobs.token_logprobs,
+        ranked[1].logprobs.token_logprobs,
+    ]
+    chat = client.chat.completions.create(
+        model="tiny-spec", messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=3, logprobs=True
+    ).choices
+    top = max(chat, key=lambda c: sum(t.logprob for t in c.logprobs.content) / len(c.logprobs.content))
+    chosen = client.chat.completions.create(
+        model="tiny-spec",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        extra_body={"best_of": 3},
+    )
+    assert [c.message.content for c in chosen.choices] == [top.message.content]
+
+
 def test_stop_strings_cut_the_output(client):
     text = client.completions.create(model="tiny-spec", prompt="hello world", max_tokens=40).choices[0].text
     stop = next(text[i : i + 2] for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])

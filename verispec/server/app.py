@@ -279,6 +279,7 @@ async def _generate(
         prepared.token_bytes,
         echo,
         prepared.tools,
+        prepared.keep,
     )
 
 

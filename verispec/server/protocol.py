@@ -2,9 +2,9 @@
 
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
-clients send fields this server has no use for (``user``, ``metadata``, ``store``). Fields that would
-change the result in ways this server does not implement (``best_of`` above 1) are declared
-so that a request asking for them gets a 400 that names them, never a silently different answer.
+clients send fields this server has no use for (``user``, ``metadata``, ``store``). Values a field
+takes that this server does not implement (``best_of`` with ``stream``, say) get a 400 that names
+the field, never a silently different answer.
 Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks are
 documented in :mod:`verispec.server`.
 """
@@ -36,12 +36,6 @@ def _integral(value: object) -> object:
 def integer(**constraints: int) -> Any:
     """An int type with ``constraints`` (checked, and shown in the schema) that takes 5.0 as 5."""
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]  # Field first: see the schema
-
-
-def only(**schema: Any) -> Any:
-    """A field whose other values the handler refuses with a message naming it (see
-    :func:`verispec.server.translate.reject_unsupported`); the schema says what is accepted."""
-    return Field(default=None, json_schema_extra=schema)
 
 
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]  # type: ignore[valid-type]
@@ -100,6 +94,10 @@ class SamplingRequest(_Strict):
     n: integer(ge=1, le=MAX_CHOICES) | None = None  # type: ignore[valid-type]
     """Choices to generate, each its own sequence in the batch (sampled independently; with a
     ``seed``, choice i uses seed + i)."""
+    best_of: integer(ge=1, le=MAX_CHOICES) | None = None  # type: ignore[valid-type]
+    """Generate this many completions (at least ``n``) and return the ``n`` with the highest
+    log-probability per token, best first (OpenAI's rule); all of them count in ``usage``. Not with
+    ``stream`` where it exceeds ``n``: the best is known only at the end."""
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     """Subtracted from the logit of every token already in the output (before temperature)."""
     frequency_penalty: float | None = Field(
@@ -130,8 +128,6 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     """Text after the completion: the prompt and this become a fill-in-the-middle prompt for models
     trained for it (:mod:`verispec.fim`; others get a 400)."""
-    best_of: integer() | None = only(minimum=1, maximum=1)  # type: ignore[valid-type]
-    """Only 1 is supported."""
     logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None  # type: ignore[valid-type]
     """Return each token's log-probability and the ``logprobs`` most likely tokens at its position
     (the sampled one always among them): the target's raw distribution, before temperature, top-k

@@ -57,9 +57,11 @@ def check_model(body: SamplingRequest, served: str) -> None:
 
 def reject_unsupported(body: SamplingRequest) -> None:
     """400 for options that would change the answer in ways this server does not implement."""
-    refusals: list[tuple[bool, str, str]] = []
-    if isinstance(body, CompletionRequest):
-        refusals += [(body.best_of not in (None, 1), "best_of", "only best_of=1 is supported")]
+    best_of, n = body.best_of or 1, body.n or 1
+    refusals: list[tuple[bool, str, str]] = [
+        (best_of < n and body.best_of is not None, "best_of", f"best_of ({best_of}) must be >= n ({n})"),
+        (best_of > n and bool(body.stream), "best_of", "best_of above n cannot be streamed"),
+    ]
     if isinstance(body, ChatCompletionRequest):
         refusals += [
             (
@@ -118,7 +120,7 @@ def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Prepared:
     requests: list[Request]
-    """One engine request per choice (``n``), in choice order."""
+    """One engine request per choice generated (``best_of``, else ``n``), in choice order."""
     prompt_tokens: int
     token_bytes: list[bytes] | None = None
     """Each token id's bytes, where the request asked for log-probabilities (names their tokens)."""
@@ -127,6 +129,8 @@ class Prepared:
     tools: frozenset[str] | None = None
     """The names of the tools offered, where the reply is parsed for calls (a chat request with
     tools, not ``tool_choice: none``)."""
+    keep: int | None = None
+    """Where more choices are generated than returned (``best_of`` above ``n``): how many to return."""
 
 
 def build_request(
@@ -147,6 +151,7 @@ def build_request(
         source = "prompt"
         max_tokens = body.max_tokens
         logprobs = body.logprobs
+    generated, keep = _choice_counts(body)
     context = engine.target.max_context
     if not ids:
         raise APIError(400, "the prompt is empty (it encodes to no tokens)", param=source)
@@ -191,7 +196,7 @@ def build_request(
             if spec is None
             else (spec.num_speculative_tokens if spec.enabled else 0),
             request_id=request_id,
-            logprobs=logprobs,
+            logprobs=0 if logprobs is None and keep is not None else logprobs,  # best_of ranks by them
             prompt_logprobs=logprobs if getattr(body, "echo", False) else None,
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
@@ -207,7 +212,27 @@ def build_request(
     if prompt is not None and getattr(body, "echo", False):
         echo = prompt if isinstance(prompt, str) else _decoded(engine, ids)
     tools = None if offered is None else frozenset(t["function"]["name"] for t in offered)
-    return Prepared(_choices(engine, request, body.n or 1), len(ids), token_bytes, echo, tools)
+    asked_for = "n" if keep is None else "best_of"
+    return Prepared(_choices(engine, request, generated, asked_for), len(ids), token_bytes, echo, tools, keep)
+
+
+def _choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int, int | None]:
+    """Choices to generate and, where fewer are returned (``best_of`` > ``n``), how many."""
+    n = body.n or 1
+    best_of = body.best_of or n
+    return best_of, (n if best_of > n else None)
+
+
+def best_choices(choices: list[list[TokenEvent]], keep: int) -> list[list[TokenEvent]]:
+    """The ``keep`` choices with the highest mean log-probability per token, best first (the rule
+    OpenAI gives for ``best_of``; a sum would favour short completions). Ties keep choice order."""
+
+    def score(events: list[TokenEvent]) -> float:
+        logprobs = [e.logprob for e in events if e.logprob is not None]
+        return sum(logprobs) / len(logprobs) if logprobs else float("-inf")
+
+    ranked = sorted(range(len(choices)), key=lambda i: -score(choices[i]))
+    return [choices[i] for i in ranked[:keep]]
 
 
 def _structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[str | None, Structured | None]:
@@ -301,18 +326,19 @@ def _decoded(engine: SpecEngine, ids: list[int]) -> str:
     return str(engine.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
-def _choices(engine: SpecEngine, request: Request, n: int) -> list[Request]:
+def _choices(engine: SpecEngine, request: Request, n: int, param: str = "n") -> list[Request]:
     """``n`` copies of ``request`` with ids of their own (``<id>-<i>``) and, for a seeded request,
-    seeds seed + i: the same request gives the same choices, and they differ from one another."""
+    seeds seed + i: the same request gives the same choices, and they differ from one another.
+    ``param``: the field that asked for ``n`` (``best_of`` where it is the larger)."""
     if n == 1:
         return [request]
     batch, waiting = engine.scheduler.max_batch_size, engine.scheduler.max_waiting
     if n > batch + waiting:
         raise APIError(
             400,
-            f"n is {n}, but this server holds at most {batch + waiting} sequences at once "
+            f"{param} is {n}, but this server holds at most {batch + waiting} sequences at once "
             f"({batch} running, {waiting} waiting); ask for fewer",
-            param="n",
+            param=param,
         )
     seed = request.sampling.seed
     out = []
@@ -499,13 +525,16 @@ def full_response(
     token_bytes: list[bytes] | None = None,
     echo: Echo | None = None,
     tools: frozenset[str] | None = None,
+    keep: int | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body (:class:`CompletionResponse` or :class:`ChatCompletionResponse`) of
     each choice's events; ``token_bytes`` where the request asked for log-probabilities, ``echo``
     where it asked for its prompt back, ``tools`` (their names) where the reply may hold calls. The
-    statistics are the choices' together (:meth:`SpecStats.combined`)."""
+    statistics are the choices' together (:meth:`SpecStats.combined`). With ``keep`` (``best_of``
+    above ``n``) only the best ``keep`` choices are returned (:func:`best_choices`); usage and the
+    statistics still count every choice generated."""
     out = []
-    for index, events in enumerate(choices):
+    for index, events in enumerate(choices if keep is None else best_choices(choices, keep)):
         text = "".join(e.text for e in events)
         logprobs = None
         if token_bytes is not None:
