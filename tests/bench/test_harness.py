@@ -40,8 +40,8 @@ VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {
     "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram", "heads",
     "tree_nodes", "tree_width", "prompt_lookup_tokens", "datasets", "categories", "limit_per_category",
-    "seed", "data_dir", "max_new_tokens", "warmup", "load", "categories_by_dataset", "warmup_prompt",
-    "decoding",
+    "seed", "data_dir", "max_new_tokens", "warmup", "json_schema", "load", "categories_by_dataset",
+    "warmup_prompt", "decoding",
 }  # fmt: skip
 RECORD = {
     "method", "dataset", "category", "prompt_id", "turns", "reference", "matches_reference", "first_mismatch",
@@ -171,6 +171,7 @@ def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
         ({"tree_nodes": 0}, "--tree-nodes"),
         ({"tree_width": 0}, "--tree-width"),
         ({"heads": "/no/such/heads"}, "--heads /no/such/heads: no such folder"),
+        ({"json_schema": [1]}, "--json-schema must be a JSON object"),
     ],
 )
 def test_settings_reject_bad_values_before_loading_anything(kwargs, message):
@@ -198,6 +199,45 @@ def test_cli_bench_reports_user_errors_in_one_line(capsys):
     assert err.startswith("verispec: error: unknown method lookahead") and "Traceback" not in err
 
 
+@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
+def test_json_mode_refuses_raw_completion_prompts_and_unreadable_schemas(tmp_path, capsys):
+    """Both fail in a second, before a model loads (the target named here does not exist)."""
+    assert main(["bench", "--target", "x", "--json-schema", "object", "--dataset", "humaneval"]) == 2
+    assert "--json-schema needs chat prompts, and humaneval is raw completion" in capsys.readouterr().err
+    bad = tmp_path / "schema.json"
+    bad.write_text("{not json")
+    assert main(["bench", "--target", "x", "--json-schema", str(bad), "--dataset", "spec_bench"]) == 2
+    assert f"--json-schema {bad}: not a readable JSON file" in capsys.readouterr().err
+
+
+@needs_smollm2
+@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
+def test_bench_json_mode_constrains_every_answer_and_stays_lossless(tmp_path, restore_torch_threads):
+    """--json-schema: each user turn asks for the schema, every method's answer is JSON under it
+    (compact, so it starts with the first key), equal to plain's, with drafts accepted; baselines
+    are skipped with the reason."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    out = tmp_path / "results"
+    argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,ngram,eagle", "-k", "4",
+            "--baselines", "hf", "--json-schema", str(path), "--dataset", "spec_bench", "--categories", "qa",
+            "--limit", "1", "--max-new-tokens", "24", "--warmup", "0", "--threads", "1",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["json_schema"] == schema
+    assert results["skipped"] == [
+        {"name": "hf", "reason": "JSON mode (--json-schema): no grammar-constrained decoding for it here"}
+    ]
+    records = results["records"]
+    assert {r["method"] for r in records} == {"none", "ngram", "eagle"}
+    assert all(t["text"].startswith('{"answer":"') for r in records for t in r["turns"])
+    assert all(r["matches_reference"] for r in records if r["method"] != "none")
+    assert sum(t["counts"]["accepted"] for r in records if r["method"] != "none" for t in r["turns"]) > 0
+    assert "JSON mode" in (out / "report.md").read_text()
+
+
 # ------------------------------------------------------------------ partial results survive a failure
 
 
@@ -219,7 +259,9 @@ class FakeContender:
         return Turn(prompt_tokens=1, token_ids=list(range(n)), seconds=0.1)
 
 
-FAKE_PROMPTER = SimpleNamespace(ids=lambda history, chat: [int(history[-1]["content"])], text=lambda ids: "")
+FAKE_PROMPTER = SimpleNamespace(
+    ids=lambda history, chat: [int(history[-1]["content"])], text=lambda ids: "", user=lambda text: text
+)
 FAKE_PROMPTS = [BenchPrompt("ds", "c", str(n), [str(n)], chat=False) for n in (1, 2, 3)]
 FAKE_SETTINGS = {"target": "fake", "max_new_tokens": 8}
 

@@ -78,6 +78,13 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     bench.add_argument("--tree-nodes", type=int, default=None, help="medusa/eagle: tree nodes per step")
     bench.add_argument("--tree-width", type=int, default=None, help="medusa/eagle: candidates per level")
     bench.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE|object",
+        help="JSON mode: every answer constrained to this JSON schema file ('object': any JSON object), "
+        "each user turn asking for it (chat datasets; baselines are skipped)",
+    )
+    bench.add_argument(
         "--dataset", type=_csv, default=["humaneval"], help=f"comma list of {', '.join(DATASETS)}"
     )
     bench.add_argument(
@@ -452,6 +459,21 @@ def _read_json(path: Path, made_by: str) -> dict:
         raise VerispecError(f"cannot read {path}: {exc}") from None
 
 
+def _json_schema(arg: str | None) -> dict[str, Any] | None:
+    """``--json-schema``: a schema file's object, or any object for ``object``."""
+    if arg is None:
+        return None
+    if arg == "object":
+        return {"type": "object"}
+    try:
+        schema = json.loads(Path(arg).read_text())
+    except (OSError, ValueError) as exc:
+        raise VerispecError(f"--json-schema {arg}: not a readable JSON file ({exc})") from exc
+    if not isinstance(schema, dict):
+        raise VerispecError(f"--json-schema {arg}: the file must hold a JSON object (a schema)")
+    return schema
+
+
 def _bench(args: argparse.Namespace, command: str) -> int:
     from verispec.bench.harness import run_bench
     from verispec.bench.report import table_rows, text_table, write_outputs
@@ -477,6 +499,7 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         data_dir=args.data_dir,
         max_new_tokens=args.max_new_tokens,
         warmup=args.warmup,
+        json_schema=_json_schema(args.json_schema),
         load=load_config(args),
     )
     run = run_bench(settings, command, out_dir=args.out, resume=args.resume)

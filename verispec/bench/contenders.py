@@ -23,6 +23,7 @@ from verispec.config import DraftModelConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import build_proposer
+from verispec.structured import Structured
 
 
 class Contender(Protocol):
@@ -48,9 +49,11 @@ class Skipped:
 class EngineContender:
     """A verispec method: one :class:`SpecEngine` over the shared, already loaded target."""
 
-    def __init__(self, name: str, engine: SpecEngine) -> None:
+    def __init__(self, name: str, engine: SpecEngine, structured: Structured | None = None) -> None:
         self.name = name
         self.engine = engine
+        self.structured = structured
+        """JSON mode's grammar (``--json-schema``), the same for every method."""
         self.references: tuple[str, ...] = () if name == PLAIN else (PLAIN,)
         spec = engine.spec
         self.description: dict[str, object] = {"backend": "verispec", "method": spec.method}
@@ -67,7 +70,9 @@ class EngineContender:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
         started = time.perf_counter()
-        gen = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0)
+        gen = self.engine.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, structured=self.structured
+        )
         seconds = time.perf_counter() - started
         return Turn(
             prompt_tokens=len(prompt_ids),
@@ -82,6 +87,7 @@ def engine_contenders(
 ) -> list[EngineContender]:
     """One engine per verispec method, all sharing the loaded target (and draft) weights."""
     out = []
+    structured = None if settings.json_schema is None else Structured("json", settings.json_schema)
     for name in settings.methods:
         method = None if name == PLAIN else name
         spec = SpecConfig(
@@ -97,5 +103,5 @@ def engine_contenders(
         own_draft = draft if method == "draft" else None
         proposer = build_proposer(spec, target, own_draft)
         engine = SpecEngine(target, proposer, spec, tokenizer=target.tokenizer, draft=own_draft)
-        out.append(EngineContender(name, engine))
+        out.append(EngineContender(name, engine, structured))
     return out

@@ -120,6 +120,12 @@ def run_bench(
     started = time.perf_counter()
     machine = environment.machine()  # before loading: the load average says how busy others keep it
     prompts = select_prompts(settings)  # before loading: a bad --data-dir fails in a second
+    raw = sorted({p.dataset for p in prompts if not p.chat})
+    if settings.json_schema is not None and raw:  # JSON mode asks for JSON in the user turns
+        raise VerispecError(
+            f"--json-schema needs chat prompts, and {', '.join(raw)} is raw completion; "
+            "use --dataset spec_bench or mt_bench"
+        )
     log, previous = None, []
     if out_dir is not None:  # before loading too: so does a --resume with other settings
         log, previous = RecordLog.start(out_dir / RECORDS_FILE, resume_settings(settings), command, resume)
@@ -128,7 +134,8 @@ def run_bench(
         needs_draft = "draft" in settings.methods or "hf-assisted" in settings.baselines
         draft = load_model(settings.draft, settings.load) if needs_draft and settings.draft else None
         contenders, skipped = build_contenders(settings, target, draft)
-        prompter = Prompter(SpecEngine(target, None, SpecConfig(), tokenizer=target.tokenizer))
+        plain = SpecEngine(target, None, SpecConfig(), tokenizer=target.tokenizer)
+        prompter = Prompter(plain, settings.json_instruction())
         prompter.check(prompts)
 
         wanted = {(c.name, p.dataset, p.category, p.id) for c in contenders for p in prompts}
@@ -183,6 +190,11 @@ def build_contenders(
     contenders: list[Contender] = list(engine_contenders(settings, target, draft))
     skipped: list[Skipped] = []
     for name in settings.baselines:
+        if settings.json_schema is not None:
+            skipped.append(
+                Skipped(name, "JSON mode (--json-schema): no grammar-constrained decoding for it here")
+            )
+            continue
         if name in HF_BASELINES:
             built = hf_contender(name, settings, target, draft)
         else:
@@ -201,13 +213,15 @@ class Prompter:
     ``verispec generate`` would send.
     """
 
-    def __init__(self, engine: SpecEngine) -> None:
+    def __init__(self, engine: SpecEngine, instruction: str = "") -> None:
         if engine.tokenizer is None:
             raise VerispecError(
                 f"{engine.target.name} has no tokenizer; the benchmark needs one for its text prompts"
             )
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.instruction = instruction
+        """Appended to every user turn (JSON mode's request for the schema; '' otherwise)."""
 
     def check(self, prompts: list[BenchPrompt]) -> None:
         """Fail before any timing if a chat prompt meets a model without a chat template."""
@@ -216,6 +230,10 @@ class Prompter:
                 f"{self.engine.target.name} has no chat template, so it can't run chat prompts; "
                 "use --dataset humaneval (raw completion)"
             )
+
+    def user(self, text: str) -> str:
+        """A user turn as sent: ``text`` and the instruction, if any."""
+        return text + self.instruction
 
     @property
     def chat(self) -> bool:
@@ -243,7 +261,7 @@ def run_prompt(
     error = None
     try:
         for user in prompt.turns:
-            history.append({"role": "user", "content": user})
+            history.append({"role": "user", "content": prompter.user(user)})
             turn = contender.generate(prompter.ids(history, prompt.chat), max_new_tokens)
             # The answer's text comes from its token ids alone, so equal outputs give equal next turns.
             turn.text = prompter.text(turn.token_ids)

@@ -115,7 +115,10 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         f"- greedy, batch 1, up to {s.max_new_tokens} new tokens per turn, {s.warmup} warm-up generation(s) "
         f"per method, k = {s.num_speculative_tokens}"
         + (f", tree nodes {s.tree_nodes}" if s.tree_nodes else "")
-        + (f", tree width {s.tree_width}" if s.tree_width else ""),
+        + (f", tree width {s.tree_width}" if s.tree_width else "")
+        + (
+            ", JSON mode (every answer under `settings.json_schema` of results.json)" if s.json_schema else ""
+        ),
         f"- machine: {describe_cpu(machine)}, {machine.get('ram_gb')} GB RAM, "
         f"torch threads: {machine.get('torch_threads')}, load average {_load(machine)}",
         *_busy_warning(machine),

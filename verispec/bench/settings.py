@@ -7,8 +7,10 @@ every knob (k, n-gram sizes, prompt-lookup length) is set by the user, never fit
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from verispec.bench.datasets import CATEGORIES, DATASETS
 from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS, ModelLoadConfig, NgramConfig
@@ -22,6 +24,10 @@ BASELINES: tuple[str, ...] = ("hf", "hf-assisted", "hf-pld", "llamacpp", "llamac
 
 WARMUP_PROMPT = "Write a short poem about the sea, then explain its rhyme scheme."
 """Warm-up text, deliberately not taken from any evaluation set."""
+
+JSON_INSTRUCTION = "\n\nReply with one JSON object that follows this JSON schema:\n{schema}"
+"""Ends each user turn in JSON mode (``--json-schema``), so the model is asked for what the grammar
+will force: a served request with ``response_format`` says the same in its messages."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,11 @@ class BenchSettings:
     """New tokens per turn."""
     warmup: int = 1
     """Untimed generations per method before timing starts."""
+    json_schema: dict[str, Any] | None = None
+    """JSON mode: every answer is constrained to this JSON schema, as a served ``response_format``
+    constrains it, and each user turn ends with :data:`JSON_INSTRUCTION` naming it (chat prompts
+    only). Proposers draft inside the grammar; the lossless check compares with plain decoding under
+    the same grammar. Baselines are skipped: none decodes under a grammar here."""
     load: ModelLoadConfig = field(default_factory=ModelLoadConfig)
 
     def __post_init__(self) -> None:
@@ -102,6 +113,10 @@ class BenchSettings:
         ):
             if value is not None and value < low:
                 raise VerispecError(f"{flag} must be >= {low}, got {value}")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            # The schema itself is compiled against the target's tokenizer, so a wrong one fails the
+            # warm-up generation with llguidance's message (before any timing).
+            raise VerispecError("--json-schema must be a JSON object (a schema)")
         if self.heads is not None and not Path(self.heads).expanduser().exists():
             raise VerispecError(f"--heads {self.heads}: no such folder")
         self.categories_by_dataset()  # validates the category names
@@ -123,6 +138,12 @@ class BenchSettings:
             for d in homes:
                 chosen[d].append(category)
         return {d: (cats or None) for d, cats in chosen.items()}
+
+    def json_instruction(self) -> str:
+        """What JSON mode appends to each user turn ('' without ``json_schema``)."""
+        if self.json_schema is None:
+            return ""
+        return JSON_INSTRUCTION.format(schema=json.dumps(self.json_schema, separators=(",", ":")))
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
