@@ -90,6 +90,27 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2, method):
 
 
 @needs_smollm2
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_smollm2_seeded_sampling_with_speculation_is_plain_seeded_sampling(smollm2, method):
+    """Deterministic proposals are verified by sampling and matching, which spends the seeded random
+    stream as plain decoding does: on the int8 path (logits independent of how many rows a forward
+    scores) the sampled output is token for token plain's, alone and in a batch of three, under the
+    adaptive policy (whose depths differ between the two)."""
+    spec = SpecConfig(method=method, num_speculative_tokens=5)
+    engine = SpecEngine(smollm2, build_proposer(spec, smollm2, None), spec, tokenizer=smollm2.tokenizer)
+    plain = engine.plain_engine()
+    prompts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    kwargs = dict(max_new_tokens=40, temperature=0.8, top_p=0.95)
+    want = [plain.generate(p, seed=100 + i, **kwargs).token_ids for i, p in enumerate(prompts)]
+    alone = [engine.generate(p, seed=100 + i, **kwargs) for i, p in enumerate(prompts)]
+    batched = engine.generate_batch(prompts, each=[{"seed": 100 + i} for i in range(3)], **kwargs)
+    assert [g.token_ids for g in alone] == want and [g.token_ids for g in batched] == want
+    assert sum(g.stats.num_accepted for g in alone + batched) > 0
+    greedy = [plain.generate(p, max_new_tokens=40).token_ids for p in prompts]
+    assert want != greedy  # it sampled
+
+
+@needs_smollm2
 @pytest.mark.skipif(not cpu_supports_int4(), reason="the int4 kernel needs AVX2 (or AVX-512 VNNI)")
 def test_smollm2_int4_target_with_an_int8_draft_is_lossless(smollm2):
     """The int4 path on a real model: 4-bit target, its int8 self as the draft (a real, different

@@ -115,6 +115,23 @@ def test_greedy_constrained_speculation_equals_plain(target, name, structured, p
 
 
 @pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize(
+    ("structured", "prompt"), [(None, JSON_PROMPT), (JSON, JSON_PROMPT)], ids=["free", "json"]
+)
+def test_seeded_sampling_with_speculation_equals_seeded_plain_sampling(target, name, structured, prompt):
+    """These proposers are deterministic, so verification samples the target's token and matches
+    the drafts (verispec/verify/rejection.py): one draw per committed token, as plain decoding
+    spends them, so the same seed gives the same sample with speculation as without."""
+    spec = engine(target, name)
+    kwargs = dict(max_new_tokens=60, temperature=0.4, top_k=50, seed=21, structured=structured)
+    got = spec.generate(prompt, **kwargs)
+    want = spec.plain_engine().generate(prompt, **kwargs)
+    assert got.token_ids == want.token_ids and got.stats.num_accepted > 0
+    greedy = spec.plain_engine().generate(prompt, max_new_tokens=60, structured=structured)
+    assert got.token_ids != greedy.token_ids  # it sampled: a greedy-only equality would not count
+
+
+@pytest.mark.parametrize("name", METHODS)
 def test_drafts_stay_within_the_grammar(target, name, monkeypatch):
     spec = engine(target, name)
     fitted = record_drafts(spec, monkeypatch)

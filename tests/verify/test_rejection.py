@@ -155,6 +155,25 @@ def test_zero_residual_falls_back_to_the_target_row():
         assert result == VerifyResult(tokens=[1], num_accepted=0, num_drafted=1)
 
 
+def plain_samples(target_probs: torch.Tensor, seed: int) -> list[int]:
+    """What plain decoding samples at each row with a generator seeded ``seed``: one draw per row."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(sample(row, gen)) for row in target_probs]
+
+
+@pytest.mark.parametrize("agree", [0, 1, 3, 4])
+def test_a_deterministic_proposal_commits_what_plain_decoding_samples(agree):
+    """Sampling and matching: whatever the draft, the committed tokens are plain decoding's samples
+    under the same seed, and the draft is kept exactly as far as it agrees with them."""
+    k, vocab = 4, 12
+    target_probs = random_probs(k + 1, vocab, 5)
+    for seed in range(20):
+        plain = plain_samples(target_probs, seed)
+        draft = plain[:agree] + [(t + 1) % vocab for t in plain[agree:k]]
+        result = rejection_sample(as_tokens(draft), None, target_probs, torch.Generator().manual_seed(seed))
+        assert result == VerifyResult(tokens=plain[: agree + 1], num_accepted=agree, num_drafted=k)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Seeded determinism and argument validation
 # ---------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from tests.stats import chi_square
 from verispec.config import SamplingConfig
+from verispec.sampling import logits_to_probs, sample
 from verispec.verify import tree as tree_module
 from verispec.verify.tree import DraftTree, tree_attention_inputs, verify_tree
 
@@ -102,6 +103,27 @@ def test_tree_sampling_is_exact(kind):
     counts, exact, accepted = _two_token_counts(kind)
     assert accepted > counts.sum() * 0.2  # the tree was used, not just the recovered token
     assert chi_square(counts, exact)[1] > 1e-4
+
+
+def test_deterministic_candidates_follow_what_plain_decoding_samples():
+    """A tree of deterministic candidates is walked by the target's own samples, one draw per
+    committed token: with a seed, the output is plain decoding's samples down the matching path."""
+    tables = _tables(0)
+    tokens, parents = [3, 2, 3, 2, 3, 2], [-1, -1, 0, 0, 1, 1]  # two candidates at each level
+    tree = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+    paths = [[], [3], [2], [3, 3], [3, 2], [2, 3], [2, 2]]
+    logits = torch.stack([_target_row(tables, path).log() for path in paths])
+    lengths = set()
+    for seed in range(40):
+        result = verify_tree(tree, logits, SAMPLED, torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        plain: list[int] = []
+        while len(plain) < len(result.tokens):  # plain decoding along the same prefix, same seed
+            probs = logits_to_probs(_target_row(tables, plain).log(), SAMPLED)  # as plain decoding has them
+            plain.append(int(sample(probs, gen)))
+        assert result.tokens == plain
+        lengths.add(len(result.tokens))
+    assert lengths == {1, 2, 3}  # stopped at the root, at depth 1, and accepted a whole path
 
 
 def test_a_verifier_that_forgets_rejected_siblings_fails_the_same_check(monkeypatch):

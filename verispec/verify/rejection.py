@@ -15,12 +15,20 @@ Every step therefore commits the accepted tokens plus exactly one token of the t
 (recovered or bonus), and the committed text is distributed exactly as if the target had sampled
 it alone (Leviathan et al. 2023, Chen et al. 2023). With temperature 0 the target's probabilities
 are one-hot and this reduces to greedy verification, which also has its own small path below.
+
+A deterministic proposal (prompt lookup, Medusa and EAGLE candidates) is verified by *sampling and
+matching*: the target samples its own token at each position, one draw per position in order, and
+the draft token is kept while it equals that sample. That is the rule above with one-hot draft rows
+(the draft token is kept with probability ``p(t_i)``, and a rejection's token is ``p`` without
+``t_i``), but it spends the random stream exactly as plain decoding does: one draw per committed
+token, from the same probabilities. So with a seed, and logits that do not depend on how many
+tokens a forward scores (the int8 and int4 paths), sampled output with these proposers is token
+for token what plain decoding samples, however deep each step drafted.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from verispec.config import SamplingConfig
 from verispec.sampling import logits_to_probs, sample
@@ -35,13 +43,14 @@ def rejection_sample(
 ) -> VerifyResult:
     """Exact speculative sampling of one sequence's draft tokens against the target's probabilities.
 
-    Draws exactly k uniforms and one token per call, whatever the outcome, so a seeded generator
-    gives reproducible results. k = 0 is plain decoding: the result is one bonus token.
+    A sampled proposal (``draft_probs`` given) draws exactly k uniforms and one token per call,
+    whatever the outcome, so a seeded generator gives reproducible results. A deterministic one
+    (``draft_probs`` None) and k = 0 (plain decoding) sample and match (module docstring).
     """
     k = _check_shapes(draft_tokens, draft_probs, target_probs, "target_probs")
+    if draft_probs is None or k == 0:
+        return sample_and_match(draft_tokens, target_probs, generator)
     vocab = target_probs.shape[-1]
-    if draft_probs is None:
-        draft_probs = F.one_hot(draft_tokens, vocab).to(target_probs.dtype)  # [k, V]
     draft_probs = draft_probs.to(target_probs.dtype)
 
     positions = torch.arange(k, device=target_probs.device)  # [k]
@@ -66,6 +75,23 @@ def rejection_sample(
 
     tokens = [*draft_tokens[:num_accepted].tolist(), last_token]
     return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_drafted=k)
+
+
+def sample_and_match(
+    draft_tokens: torch.Tensor,  # [k] int64, a deterministic proposal
+    target_probs: torch.Tensor,  # [k+1, V]
+    generator: torch.Generator | None,
+) -> VerifyResult:
+    """Sample the target's token at each position in order and keep the draft while it matches: one
+    draw per committed token, as plain decoding spends them (module docstring)."""
+    drafted = draft_tokens.tolist()
+    tokens: list[int] = []
+    for i in range(len(drafted) + 1):
+        token = int(sample(target_probs[i], generator))
+        tokens.append(token)
+        if i == len(drafted) or token != drafted[i]:
+            break
+    return VerifyResult(tokens=tokens, num_accepted=len(tokens) - 1, num_drafted=len(drafted))
 
 
 def greedy_verify(

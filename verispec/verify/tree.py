@@ -6,8 +6,11 @@ attention mask, see :func:`tree_attention_inputs`), which gives one target distr
 Verification walks down from the root; at each node it tries the node's children in order:
 
 - **greedy**: move to the child whose token is the target's argmax, if there is one;
-- **deterministic candidates** (top-k of a head, no draft probabilities): accept child x with
-  probability ``p(x)``; on rejection zero ``p(x)``, renormalise and try the next sibling;
+- **deterministic candidates** (top-k of a head, no draft probabilities): sample the target's own
+  token from ``p`` and move to the child holding it, if one does. Each child x is so taken with
+  probability ``p(x)``, as accepting x with probability ``p(x)`` and on rejection trying the next
+  sibling under ``p`` without x would; but the walk spends one draw per committed token, as plain
+  decoding does, so seeded output equals plain decoding's (:mod:`verispec.verify.rejection`);
 - **sampled candidates** (children drawn i.i.d. from the draft distribution ``q`` at their parent):
   accept child x with probability ``min(1, p(x) / q(x))``; on rejection replace p by the residual
   ``normalize(max(0, p - q))`` and try the next sibling (SpecInfer's multi-round speculative
@@ -133,6 +136,11 @@ def verify_tree(
             nxt = next((c for c in children[row] if tokens[c] == best), None)
             if nxt is None:
                 return TreeResult(tokens=[tokens[i] for i in path] + [best], path=path, num_drafted=tree.size)
+        elif tree.probs is None:
+            own = int(sample(logits_to_probs(target_logits[row], sampling), generator))
+            nxt = next((c for c in children[row] if tokens[c] == own), None)
+            if nxt is None:  # no child holds it (or a leaf): it is the recovered or bonus token
+                return TreeResult(tokens=[tokens[i] for i in path] + [own], path=path, num_drafted=tree.size)
         else:
             p = logits_to_probs(target_logits[row], sampling).double()  # [V]
             nxt, p = _try_children(children[row], tokens, tree.probs, p, generator)
@@ -146,27 +154,22 @@ def verify_tree(
 def _try_children(
     candidates: list[int],
     tokens: list[int],
-    probs: torch.Tensor | None,
+    probs: torch.Tensor,  # [N, V]: each node's draft distribution (sampled candidates)
     p: torch.Tensor,  # [V] float64, the target's distribution here
     generator: torch.Generator | None,
 ) -> tuple[int | None, torch.Tensor]:
-    """The first accepted candidate (or None) and the distribution left for the recovered token."""
+    """The first accepted sampled candidate (or None) and the distribution left for the recovered
+    token (SpecInfer's multi-round rule)."""
     for c in candidates:
         before = p
         x = tokens[c]
         u = float(torch.rand((), generator=generator, dtype=torch.float64))
-        if probs is None:
-            if u < float(p[x]):
-                return c, p
-            p = p.clone()
-            p[x] = 0.0
-        else:
-            q = probs[c].double()
-            if u * float(q[x]) < float(p[x]):
-                return c, p
-            p = (p - q).clamp_min(0.0)
+        q = probs[c].double()
+        if u * float(q[x]) < float(p[x]):
+            return c, p
+        p = (p - q).clamp_min(0.0)
         mass = float(p.sum())
-        if mass <= 0:  # p was ~q (or one-hot on x): rejecting had probability ~0, keep p as it was
+        if mass <= 0:  # p was ~q: rejecting had probability ~0, keep p as it was
             return None, before
         p = p / mass
     return None, p
