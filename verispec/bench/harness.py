@@ -134,8 +134,9 @@ def run_bench(
         needs_draft = "draft" in settings.methods or "hf-assisted" in settings.baselines
         draft = load_model(settings.draft, settings.load) if needs_draft and settings.draft else None
         contenders, skipped = build_contenders(settings, target, draft)
-        plain = SpecEngine(target, None, SpecConfig(), tokenizer=target.tokenizer)
-        prompter = Prompter(plain, settings.json_instruction())
+        prompter = Prompter(
+            SpecEngine(target, None, SpecConfig(), tokenizer=target.tokenizer), settings.json_instruction()
+        )
         prompter.check(prompts)
 
         wanted = {(c.name, p.dataset, p.category, p.id) for c in contenders for p in prompts}

@@ -57,10 +57,11 @@ def check_model(body: SamplingRequest, served: str) -> None:
 
 def reject_unsupported(body: SamplingRequest) -> None:
     """400 for options that would change the answer in ways this server does not implement."""
-    best_of, n = body.best_of or 1, body.n or 1
+    generated, keep = _choice_counts(body)
+    n = body.n or 1
     refusals: list[tuple[bool, str, str]] = [
-        (best_of < n and body.best_of is not None, "best_of", f"best_of ({best_of}) must be >= n ({n})"),
-        (best_of > n and bool(body.stream), "best_of", "best_of above n cannot be streamed"),
+        (generated < n, "best_of", f"best_of ({generated}) must be >= n ({n})"),
+        (keep is not None and bool(body.stream), "best_of", "best_of above n cannot be streamed"),
     ]
     if isinstance(body, ChatCompletionRequest):
         refusals += [
@@ -216,7 +217,7 @@ def build_request(
     return Prepared(_choices(engine, request, generated, asked_for), len(ids), token_bytes, echo, tools, keep)
 
 
-def _choice_counts(body: CompletionRequest | ChatCompletionRequest) -> tuple[int, int | None]:
+def _choice_counts(body: SamplingRequest) -> tuple[int, int | None]:
     """Choices to generate and, where fewer are returned (``best_of`` > ``n``), how many."""
     n = body.n or 1
     best_of = body.best_of or n

@@ -131,13 +131,11 @@ def verify_tree(
     path: list[int] = []
     row = 0  # the root
     while True:
-        if sampling.greedy:
-            best = int(target_logits[row].argmax())
-            nxt = next((c for c in children[row] if tokens[c] == best), None)
-            if nxt is None:
-                return TreeResult(tokens=[tokens[i] for i in path] + [best], path=path, num_drafted=tree.size)
-        elif tree.probs is None:
-            own = int(sample(logits_to_probs(target_logits[row], sampling), generator))
+        if sampling.greedy or tree.probs is None:  # the target's own token: its argmax, or a sample
+            if sampling.greedy:
+                own = int(target_logits[row].argmax())
+            else:
+                own = int(sample(logits_to_probs(target_logits[row], sampling), generator))
             nxt = next((c for c in children[row] if tokens[c] == own), None)
             if nxt is None:  # no child holds it (or a leaf): it is the recovered or bonus token
                 return TreeResult(tokens=[tokens[i] for i in path] + [own], path=path, num_drafted=tree.size)
