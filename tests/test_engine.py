@@ -183,15 +183,24 @@ def test_draft_confidence_stop_drafts_less_and_stays_lossless(tiny_target, tiny_
         )
         return SpecEngine(tiny_target, build_proposer(spec, tiny_target, tiny_draft), spec, draft=tiny_draft)
 
-    kwargs = dict(max_new_tokens=40, temperature=temperature, seed=7)
-    full = engine(0.0).generate(PROMPTS[0], **kwargs)
-    cautious = engine(0.12).generate(PROMPTS[0], **kwargs)  # about the tiny draft's median top probability
-    assert 0 < cautious.stats.num_drafted < full.stats.num_drafted
-    assert cautious.stats.acceptance_rate >= full.stats.acceptance_rate
+    def totals(p_min: float) -> tuple[list[int], int, int]:
+        """The first seed's tokens, and drafted and accepted summed over the seeds: one sampled run of
+        40 tokens is too noisy to order two acceptance rates (0.46 against 0.55 seen at seed 7)."""
+        runs = [
+            engine(p_min).generate(PROMPTS[0], max_new_tokens=40, temperature=temperature, seed=seed)
+            for seed in (range(7, 8) if temperature == 0.0 else range(8))
+        ]
+        drafted = sum(run.stats.num_drafted for run in runs)
+        return runs[0].token_ids, drafted, sum(run.stats.num_accepted for run in runs)
+
+    full_ids, full_drafted, full_accepted = totals(0.0)
+    cautious_ids, cautious_drafted, cautious_accepted = totals(0.12)  # ~ the tiny draft's median top p
+    assert 0 < cautious_drafted < full_drafted
+    assert cautious_accepted / cautious_drafted > full_accepted / full_drafted
     if temperature == 0.0:
         assert (
-            cautious.token_ids
-            == full.token_ids
+            cautious_ids
+            == full_ids
             == make_engine(tiny_target, None, None).generate(PROMPTS[0], max_new_tokens=40).token_ids
         )
 

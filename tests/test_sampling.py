@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from tests.stats import chi_square
 from verispec.config import SamplingConfig
-from verispec.sampling import logits_to_probs, make_generator, sample
+from verispec.sampling import SAMPLE_BLOCK, logits_to_probs, make_generator, sample
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -126,6 +127,48 @@ def test_sample_one_row_returns_a_scalar_and_never_picks_a_zero_probability_toke
     draws = [sample(probs, gen) for _ in range(200)]
     assert all(draw.dim() == 0 for draw in draws)
     assert {int(draw) for draw in draws} == {1, 3}
+
+
+def block_spanning_weights() -> torch.Tensor:
+    """[3000] unnormalised weights on both sides of the sampler's block edges, in a padded last block,
+    and zero everywhere else (whole blocks of zeros included)."""
+    weights = torch.zeros(3000)
+    weights[[0, SAMPLE_BLOCK - 1, SAMPLE_BLOCK, 2 * SAMPLE_BLOCK - 1, 2999]] = torch.tensor(
+        [0.5, 1.0, 2.0, 1e-3, 4.0]
+    )
+    return weights
+
+
+def test_sample_draws_each_token_with_its_share_of_the_weight():
+    weights = block_spanning_weights()
+    draws = sample(weights.expand(40_000, -1), make_generator(11))  # [40000]: one per row
+    counts = torch.bincount(draws, minlength=weights.numel())
+    assert counts[weights == 0].sum() == 0
+    _, p_value = chi_square(counts, weights / weights.sum())
+    assert p_value > 1e-3, p_value
+
+
+def test_sample_keeps_the_batch_shape_and_each_row_its_own_distribution():
+    probs = torch.zeros(2, 3, 5000)
+    for i, token in enumerate([0, 1023, 1024, 2047, 4999, 3000]):
+        probs.view(6, -1)[i, token] = 1.0
+    assert sample(probs, make_generator(0)).tolist() == [[0, 1023, 1024], [2047, 4999, 3000]]
+
+
+@pytest.mark.parametrize(("uniform", "token"), [(1.0, 2999), (1.0 - 2**-53, 2999), (0.0, 0)])
+def test_sample_survives_a_uniform_at_either_end(monkeypatch, uniform, token):
+    """A draw at the very top (1.0 is where rounding can carry u * total) lands on the last positive
+    weight, not on a zero or past the row; a uniform of exactly 0 takes the first positive weight."""
+    monkeypatch.setattr(torch, "rand", lambda *size, **kw: torch.full(size, uniform, dtype=torch.float64))
+    assert int(sample(block_spanning_weights(), make_generator(3))) == token
+
+
+@pytest.mark.parametrize(
+    "weights", [torch.zeros(8), torch.tensor([0.5, float("nan")]), torch.tensor([-1.0, 2.0])]
+)
+def test_sample_refuses_weights_it_cannot_draw_from(weights):
+    with pytest.raises(ValueError, match="cannot sample"):
+        sample(weights, make_generator(0))
 
 
 def test_make_generator_leaves_the_global_rng_alone():

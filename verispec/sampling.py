@@ -38,11 +38,47 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
+SAMPLE_BLOCK = 1024  # tokens per block of the two-level search below
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row. probs: [..., vocab] -> [...] int64."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    tokens = torch.multinomial(flat, num_samples=1, generator=generator).squeeze(-1)
+    """Draw one token per row of (possibly unnormalised) weights. probs: [..., vocab] -> [...] int64.
+
+    Why not ``torch.multinomial``: one draw without replacement costs an exponential variate per
+    token (3.6 ms on a 152k-token row on one core, paid up to k+1 times per step when verification
+    samples the target at each position), and with replacement it takes a float64 cumulative sum of
+    the whole row. This is inverse-CDF sampling in two levels, in float64 and with one uniform per
+    draw: sums of blocks of SAMPLE_BLOCK tokens locate the block, a cumulative sum of that block alone
+    the token (~0.3 ms). A zero-weight token is never drawn: the search takes the first cumulative
+    sum strictly above the uniform, and a draw that rounding pushes past the last positive weight is
+    moved back onto it.
+    """
+    vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    rows = flat.shape[0]
+    pad = -vocab % SAMPLE_BLOCK
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.reshape(rows, -1, SAMPLE_BLOCK)  # [R, nb, B]
+    sums = blocks.sum(dim=-1, dtype=torch.float64)  # [R, nb]
+    cum = sums.cumsum(dim=-1)
+    total = cum[:, -1:]
+    if not bool(((total > 0) & total.isfinite()).all()) or bool((flat < 0).any()):
+        raise ValueError("cannot sample: a row's weights are all zero, negative or not finite")
+    u = torch.rand(rows, 1, generator=generator, dtype=torch.float64, device=flat.device)
+    point = u * total  # [R, 1], in [0, total)
+    block = torch.searchsorted(cum, point, right=True).squeeze(-1).minimum(_last_positive(sums))
+    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1), 0.0)
+    chosen = blocks[torch.arange(rows, device=flat.device), block]  # [R, B]
+    inner = chosen.double().cumsum(dim=-1)
+    offset = torch.searchsorted(inner, (point.squeeze(-1) - before).unsqueeze(-1), right=True).squeeze(-1)
+    tokens = block * SAMPLE_BLOCK + offset.minimum(_last_positive(chosen))
     return tokens.reshape(probs.shape[:-1])
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """[R, n] -> [R]: index of each row's last positive entry (argmax returns the first maximum)."""
+    return (weights > 0).cumsum(dim=-1).argmax(dim=-1)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
