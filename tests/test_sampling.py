@@ -101,6 +101,49 @@ def test_top_k_is_applied_before_top_p():
     torch.testing.assert_close(probs, torch.tensor([0.4 / 0.7, 0.3 / 0.7, 0.0, 0.0]))
 
 
+def nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference top-p over [R, V] logits: the whole row sorted, in float64. Returns the kept mask
+    and each token's mass before it in that order."""
+    sorted_logits, order = torch.sort(logits.double(), dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    before_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs
+    before = torch.empty_like(before_sorted).scatter_(-1, order, before_sorted)
+    return before < top_p, before
+
+
+@pytest.mark.parametrize(
+    ("scale", "vocab", "top_p", "top_k"),
+    [
+        (3.0, 151_936, 0.95, 0),  # a flat row: the cut lies past the first candidates, the search widens
+        (0.3, 5_000, 0.9, 0),  # nearly uniform: the nucleus is most of the row
+        (8.0, 151_936, 0.9, 0),  # peaked: the cut is among the first candidates
+        (3.0, 151_936, 0.8, 40),
+        (3.0, 49_152, 0.99, 0),
+    ],
+)
+def test_top_p_matches_a_full_sort_of_the_row(scale, vocab, top_p, top_k):
+    """Only the most likely tokens are sorted; the kept set must be the one a full float64 sort gives
+    (a token may differ only where its mass-before is within float32 rounding of top_p)."""
+    logits = scale * torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab))
+    probs = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=top_k, top_p=top_p))
+    if top_k:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    want, before = nucleus_by_full_sort(logits, top_p)
+    differ = (probs > 0) != want
+    assert ((before[differ] - top_p).abs() < 1e-6).all(), before[differ]
+    assert want.sum() > 1 and differ.sum() <= 1
+    kept = torch.where(want, logits.double(), float("-inf")).softmax(dim=-1)
+    torch.testing.assert_close(probs.double(), kept, atol=1e-6, rtol=1e-4)
+
+
+def test_top_p_keeps_every_token_tied_at_the_top_k_cut():
+    """Ties at the k-th logit keep more than k tokens; top-p then sees all of them."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, -1.0]])
+    probs = logits_to_probs(logits, SamplingConfig(temperature=1.0, top_k=2, top_p=0.99))
+    assert (probs[0, :4] > 0).all() and (probs[0, 4:] == 0).all()
+
+
 @pytest.mark.parametrize("temperature", [0.25, 0.7, 1.0, 1.5, 4.0])
 def test_temperature_divides_the_logits(temperature):
     logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(5))
