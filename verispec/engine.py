@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from itertools import count
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -133,6 +133,19 @@ class RequestOutput:
     None (nothing predicts it)."""
 
 
+class HiddenObserver(Protocol):
+    """Receives the target's last-layer hidden state after every token of a request, in order."""
+
+    def prefilled(self, request_id: str, hidden: torch.Tensor) -> None:
+        """``hidden [n, H]``: after the next n prompt tokens (the prompt's last token comes later,
+        as the first decode step's pending token)."""
+
+    def committed(self, request_id: str, hidden: torch.Tensor, greedy: torch.Tensor) -> None:
+        """``hidden [n, H]``: after a decode step's pending token and after each token it appended
+        that was fed (the last token of a reply never is); ``greedy [n]``: the unadjusted target's
+        argmax there."""
+
+
 @dataclass(frozen=True)
 class StepReport:
     """One decode step, for metrics: batch size, per-sequence depth and outcome, and timings."""
@@ -179,6 +192,10 @@ class SpecEngine:
         self._by_id: dict[str, SeqState] = {}
         self.step_observers: list[Any] = []
         """Callables given every :class:`StepReport` (the server's metrics)."""
+        self.hidden_observer: HiddenObserver | None = None
+        """Given the target's last hidden state after every token it is fed (see
+        :class:`HiddenObserver`): ``verispec distill --keep-hidden`` keeps them as training data, so
+        the heads' hidden-state store needs no second pass of the target over the replies."""
         self._token_bytes: list[bytes] | None = None
         self._grammar_tokenizer: Any = None
 
@@ -393,9 +410,12 @@ class SpecEngine:
                     if want:  # the chunk's logits score the prompt's next tokens
                         nexts = seq.token_ids[start + 1 : start + 1 + len(row)]
                         seq.prompt_scores += _logprobs(logits, nexts, int(seq.request.prompt_logprobs or 0))
-                if out.hidden is not None and self.proposer is not None:
+                if out.hidden is not None:
                     for seq, hidden in zip(seqs, out.hidden, strict=True):
-                        self.proposer.prefill(seq.proposer_state, hidden)
+                        if self.hidden_observer is not None:
+                            self.hidden_observer.prefilled(seq.request.request_id, self._last_layer(hidden))
+                        if self.proposer is not None and self.proposer.needs_hidden:
+                            self.proposer.prefill(seq.proposer_state, hidden)
                 speculating = [b for b, s in enumerate(seqs) if self._feeds_draft(s)]
                 if self.proposer is not None and speculating:
                     self.proposer.prefill_tokens(
@@ -493,7 +513,14 @@ class SpecEngine:
             hidden = out.hidden[b][kept_rows] if out.hidden is not None else None
             wanted = seq.request.logprobs
             scored = None if wanted is None else _logprobs(logits[kept_rows], tokens, wanted)
+            length = len(seq.token_ids)
             outputs.append(self._commit(seq, tokens, num_accepted, hidden, scored))
+            if hidden is not None and self.hidden_observer is not None:
+                # Rows after the pending token and after each token appended that was fed (a stop
+                # can cut the step short; the last token appended was not fed unless it was a draft).
+                fed = min(len(seq.token_ids) - length + 1, len(kept_rows))
+                greedy = logits[kept_rows[:fed]].argmax(-1)  # the raw target's, as a store pass keeps
+                self.hidden_observer.committed(seq.request.request_id, self._last_layer(hidden[:fed]), greedy)
         depths = [_depth(d) for d in drafts]
         if not any(depths) and any(s.request.num_speculative_tokens for s in seqs):
             self.prior.relax()  # nothing drafted this step, though speculation was wanted
@@ -508,7 +535,11 @@ class SpecEngine:
 
     @property
     def _needs_hidden(self) -> bool:
-        return self.proposer is not None and self.proposer.needs_hidden
+        return self.hidden_observer is not None or (self.proposer is not None and self.proposer.needs_hidden)
+
+    def _last_layer(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's state of hidden rows that may carry a proposer's feature layers too."""
+        return hidden[..., : self.target.hidden_size]
 
     @property
     def _feature_layers(self) -> tuple[int, ...]:

@@ -110,6 +110,8 @@ class Example:
     labelled: list[bool]
     """labelled[t]: token t is one the model writes (an assistant reply, code), a training target."""
     source: str = ""
+    key: str = ""
+    """A distilled record's id (what ``verispec distill --keep-hidden`` matches its states by)."""
 
 
 # ----------------------------------------------------------------------------- sources
@@ -236,7 +238,8 @@ def distilled_example(record: dict[str, Any], max_len: int) -> Example:
     after its prompt, a raw completion labelled with its prompt (code, as ``stdlib`` is)."""
     prompt, completion = list(record["prompt_ids"]), list(record["completion_ids"])
     labelled = [record["kind"] == "text"] * len(prompt) + [True] * len(completion)
-    return Example((prompt + completion)[:max_len], labelled[:max_len], "distilled")
+    ids = (prompt + completion)[:max_len]
+    return Example(ids, labelled[:max_len], "distilled", str(record.get("id", "")))
 
 
 @dataclass
@@ -422,6 +425,8 @@ class HiddenStore:
             np.save(grown / f"{name}.npy", np.concatenate([old, new[name]]))
         np.save(grown / "starts.npy", starts)
         np.save(grown / "heldout.npy", new["heldout"])
+        filled = self.filled() if before else np.zeros(0, dtype=bool)
+        np.save(grown / "filled.npy", np.concatenate([filled, np.zeros(len(examples), dtype=bool)]))
         taps = len(spec.feature_layers)
         for name, shape, dtype in (
             ("hidden", (total, hidden_size), np.float16),
@@ -465,6 +470,42 @@ class HiddenStore:
         if old_folder.exists():
             shutil.rmtree(old_folder)
         self.meta = json.loads(text)
+
+    def filled(self) -> np.ndarray:
+        """``[S]`` bool: which sequences hold their hidden states (stores made before the mask was
+        kept hold them for their first ``done`` sequences)."""
+        if (self.folder / "filled.npy").is_file():
+            return np.load(self.folder / "filled.npy")
+        return np.arange(int(self.meta.get("sequences", 0))) < int(self.meta.get("done", 0))
+
+    def put(self, rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Write sequences' states computed elsewhere (``verispec distill --keep-hidden``): ``rows``
+        maps a sequence index to its hidden ``[n, H]`` and argmax ``[n]``, n its length. :meth:`fill`
+        then skips them; the store is complete once every sequence is filled."""
+        if self.feature_layers:
+            raise VerispecError("hidden states kept while generating carry no feature layers (taps)")
+        starts = self.array("starts")
+        hidden, argmax = self.array("hidden", "r+"), self.array("argmax", "r+")
+        filled = self.filled()
+        for s, (h, top) in rows.items():
+            a, b = int(starts[s]), int(starts[s + 1])
+            if h.shape != (b - a, hidden.shape[1]) or top.shape != (b - a,):
+                raise ValueError(f"sequence {s} has {b - a} tokens, got states {h.shape} / {top.shape}")
+            hidden[a:b] = h.astype(np.float16)
+            argmax[a:b] = top
+            filled[s] = True
+        hidden.flush()
+        argmax.flush()
+        del hidden, argmax
+        self._save_filled(filled)
+
+    def _save_filled(self, filled: np.ndarray) -> None:
+        tmp = self.folder / "filled.tmp.npy"
+        np.save(tmp, filled)
+        tmp.replace(self.folder / "filled.npy")
+        done = int(np.argmin(filled)) if not filled.all() else len(filled)  # the first one still to fill
+        self.meta.update(done=done, complete=bool(filled.all()))
+        self._write_meta()
 
     def sequences_for(self, max_tokens: int) -> int:
         """How many of the first sequences cover ``max_tokens`` tokens (all, if the store is short)."""
@@ -513,36 +554,48 @@ class HiddenStore:
         taps = self.array("taps", "r+") if layers else None
         argmax = self.array("argmax", "r+")
         done = int(self.meta["done"])
+        filled = self.filled()
+        lengths = np.diff(np.asarray(starts))
         bar = tqdm(
-            total=int(starts[-1]), initial=int(starts[done]), unit="tok", desc="target hidden states",
-            disable=not progress,
+            total=int(starts[-1]), initial=int(lengths[filled].sum()), unit="tok",
+            desc="target hidden states", disable=not progress,
         )  # fmt: skip
         last_save = began = time.perf_counter()
         began_cpu = time.process_time()  # stands still while the process is stopped (paused jobs)
         seconds = float(self.meta.get("seconds", 0.0))
         cpu_seconds = float(self.meta.get("cpu_seconds", 0.0))
         for s in range(done, len(starts) - 1):
+            if filled[s]:  # kept while generating (put)
+                continue
             a, b = int(starts[s]), int(starts[s + 1])
             h, top = target_states(target, tokens[a:b].tolist(), layers)
             hidden[a:b] = h[:, : hidden.shape[1]].numpy().astype(np.float16)
             if taps is not None:
                 taps[a:b] = h[:, hidden.shape[1] :].numpy().astype(np.float16)
             argmax[a:b] = top.numpy()
+            filled[s] = True
             bar.update(b - a)
             now = time.perf_counter()
-            if now - last_save > save_every_s or s == len(starts) - 2:
-                hidden.flush()
-                if taps is not None:
-                    taps.flush()
-                argmax.flush()
-                self.meta["done"] = s + 1
-                self.meta["seconds"] = seconds + now - began
-                self.meta["cpu_seconds"] = cpu_seconds + time.process_time() - began_cpu
-                self._write_meta()
+            if now - last_save > save_every_s:
+                self._save_progress(filled, hidden, taps, argmax, seconds + now - began,
+                                    cpu_seconds + time.process_time() - began_cpu)  # fmt: skip
                 last_save = now
         bar.close()
-        self.meta["complete"] = True
-        self._write_meta()
+        now = time.perf_counter()
+        self._save_progress(filled, hidden, taps, argmax, seconds + now - began,
+                            cpu_seconds + time.process_time() - began_cpu)  # fmt: skip
+
+    def _save_progress(
+        self, filled: np.ndarray, hidden: np.ndarray, taps: np.ndarray | None, argmax: np.ndarray,
+        seconds: float, cpu_seconds: float,
+    ) -> None:  # fmt: skip
+        """Flush the arrays, then record which sequences they hold (never the other way round)."""
+        hidden.flush()
+        if taps is not None:
+            taps.flush()
+        argmax.flush()
+        self.meta.update(seconds=seconds, cpu_seconds=cpu_seconds)
+        self._save_filled(filled)
 
 
 @torch.inference_mode()
@@ -575,14 +628,50 @@ def prepare_store(
 ) -> HiddenStore:
     """A complete hidden-state cache covering ``spec.max_tokens`` for ``target``: reused, resumed,
     extended with the stream's next sequences, or built."""
+    store = open_store(target, identity, spec, cache_dir)
+    if store.tokens < spec.max_tokens:
+        if target.tokenizer is None:
+            raise VerispecError(f"{target.name} has no tokenizer; heads need text data")
+        start = store.cursor
+        if not store.meta and spec.skip_tokens:
+            _, start = build_examples(target.tokenizer, spec, spec.skip_tokens, progress=progress)
+        examples, cursor = build_examples(
+            target.tokenizer, spec, spec.max_tokens - store.tokens, start, progress=progress
+        )
+        if not examples and not store.meta:
+            raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")
+        if examples:
+            quantization = quantization_of(target)
+            store.extend(examples, cursor, identity, spec, target.hidden_size, quantization=quantization)
+        if store.tokens < spec.max_tokens:
+            print(f"the data sources ran out at {store.tokens} of {spec.max_tokens} tokens", file=sys.stderr)
+    if not store.complete:
+        store.fill(target, progress=progress)
+    return store
+
+
+def quantization_of(target: Any) -> str:
+    return str(getattr(target, "quantization", "none"))
+
+
+def default_store_dir(target: Any, identity: TargetIdentity, spec: DataSpec) -> Path:
+    """Where a store of ``spec``'s data for ``target`` lives unless ``--cache-dir`` says otherwise."""
+    from verispec.models.registry import cache_root
+
+    name = f"{identity.name}-{quantization_of(target)}-{identity.short}-{spec.key()}"
+    return cache_root() / "heads-data" / name
+
+
+def open_store(
+    target: Any, identity: TargetIdentity, spec: DataSpec, cache_dir: Path | None = None
+) -> HiddenStore:
+    """The store of ``spec``'s data for ``target`` (empty if new), refused where it holds another
+    model's states, another quantization's or other feature layers, or where the distilled file holds
+    another model's replies: all before any work."""
     # The int8 and int4 paths give different hidden states for the same model: heads for one are
     # trained on its own features, so the quantization names the cache and is checked on reuse.
-    quantization = str(getattr(target, "quantization", "none"))
-    if cache_dir is None:
-        from verispec.models.registry import cache_root
-
-        name = f"{identity.name}-{quantization}-{identity.short}-{spec.key()}"
-        cache_dir = cache_root() / "heads-data" / name
+    quantization = quantization_of(target)
+    cache_dir = cache_dir or default_store_dir(target, identity, spec)
     store = HiddenStore.open(cache_dir)
     if store.meta and store.meta.get("target", {}).get("config_sha256") != identity.config_sha256:
         raise VerispecError(f"{cache_dir} holds hidden states of another model; pass another --cache-dir")
@@ -600,24 +689,10 @@ def prepare_store(
     if spec.feature_layers and hasattr(target, "check_feature_layers"):
         target.check_feature_layers(spec.feature_layers)
     if spec.distilled is not None:
-        from verispec.heads.distill import check_file
+        from verispec.heads.distill import check_file, read_records
 
-        check_file(Path(spec.distilled), identity)  # before any work: another model's replies are refused
-    if store.tokens < spec.max_tokens:
-        if target.tokenizer is None:
-            raise VerispecError(f"{target.name} has no tokenizer; heads need text data")
-        start = store.cursor
-        if not store.meta and spec.skip_tokens:
-            _, start = build_examples(target.tokenizer, spec, spec.skip_tokens, progress=progress)
-        examples, cursor = build_examples(
-            target.tokenizer, spec, spec.max_tokens - store.tokens, start, progress=progress
-        )
-        if not examples and not store.meta:
-            raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")
-        if examples:
-            store.extend(examples, cursor, identity, spec, target.hidden_size, quantization=quantization)
-        if store.tokens < spec.max_tokens:
-            print(f"the data sources ran out at {store.tokens} of {spec.max_tokens} tokens", file=sys.stderr)
-    if not store.complete:
-        store.fill(target, progress=progress)
+        # Another model's replies are refused before any work; a file with none yet is distill
+        # --keep-hidden's before its first reply (training on it fails on reading the examples).
+        if read_records(Path(spec.distilled)):
+            check_file(Path(spec.distilled), identity)
     return store

@@ -34,6 +34,7 @@ from typing import Any, TypeGuard
 from verispec.errors import VerispecError
 from verispec.heads.data import iter_sharegpt, iter_stdlib_files, sharegpt_file
 from verispec.heads.identity import TargetIdentity, identify
+from verispec.heads.keep import StoreKeeper
 from verispec.structured import Structured
 
 KINDS = ("chat", "text")
@@ -289,9 +290,11 @@ def distill(
     max_new_tokens: int = 256,
     chunk: int = 32,
     progress: bool = True,
+    keeper: StoreKeeper | None = None,
 ) -> int:
     """Answer ``prompts`` greedily with ``engine`` and append the records to ``out``; returns how
-    many were written now (prompts already in the file are skipped)."""
+    many were written now (prompts already in the file are skipped). With ``keeper``, the target's
+    hidden states of each record go into the file's hidden-state store as it is written."""
     from tqdm import tqdm
 
     made_by = {"target": engine.target.name, "target_config_sha256": identify(engine.target).config_sha256}
@@ -303,12 +306,19 @@ def distill(
             f.seek(-1, 2)
             if f.read(1) != b"\n":
                 f.write(b"\n")  # end a line an interruption cut off, so the next record starts its own
+    if keeper is not None:
+        keeper.sync()  # records already in the file (an earlier run, --unpack) join the store unfilled
+        engine.hidden_observer = keeper.recorder
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="prompt", disable=not progress)
     written = 0
     for a in range(0, len(todo), chunk):
         group = todo[a : a + chunk]
         ids = [_prompt_ids(engine, p) for p in group]
-        each = [{"structured": Structured("json", JSON_SCHEMAS[p.schema])} if p.schema else {} for p in group]
+        each: list[dict[str, Any]] = [
+            {"structured": Structured("json", JSON_SCHEMAS[p.schema])} if p.schema else {} for p in group
+        ]
+        if keeper is not None:
+            each = [{**e, "request_id": keeper.request_id(p.id)} for e, p in zip(each, group, strict=True)]
         gens = engine.generate_batch(ids, each=each, max_new_tokens=max_new_tokens, temperature=0.0)
         with out.open("a", encoding="utf-8") as f:
             for prompt, prompt_ids, gen in zip(group, ids, gens, strict=True):
@@ -323,8 +333,12 @@ def distill(
                 }
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 written += 1
+        if keeper is not None:
+            keeper.sync()
         bar.update(len(group))
     bar.close()
+    if keeper is not None:
+        engine.hidden_observer = None
     return written
 
 
@@ -394,6 +408,13 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
         "and checked, so that the run answers only what the pack lacks",
     )  # fmt: skip
     p.add_argument(
+        "--keep-hidden", action="store_true",
+        help="keep the target's hidden states of every reply as it is written, in the store `verispec "
+        "train --sources distilled --distilled OUT` opens (same --cache-dir, default data flags): "
+        "training then needs no pass of the target over the replies",
+    )  # fmt: skip
+    p.add_argument("--cache-dir", type=Path, default=None, help="with --keep-hidden: the store's folder")
+    p.add_argument(
         "--pack", type=Path, default=None, metavar="PACK",
         help="at the end, write --out's replies as a pack (token ids, no ShareGPT text) to keep in git",
     )  # fmt: skip
@@ -431,6 +452,9 @@ def run_distill(args: Any) -> int:
             identity = identify(engine.target)
             added = pack.unpack(args.unpack, args.out, identity, lambda p: _prompt_ids(engine, p))
             print(f"{args.out}: {added} replies added from {args.unpack}")
+        keeper = None
+        if args.keep_hidden:
+            keeper = StoreKeeper(engine.target, identify(engine.target), args.out, args.cache_dir)
         written = distill(
             engine,
             prompts,
@@ -438,8 +462,13 @@ def run_distill(args: Any) -> int:
             max_new_tokens=args.max_new_tokens,
             chunk=4 * args.max_batch_size,  # few short batches at each chunk's end (20 vs 12 prompts/min)
             progress=not args.quiet,
+            keeper=keeper,
         )
         print(f"{args.out}: {written} replies written now")
+        if keeper is not None:
+            filled = keeper.store.filled()
+            print(f"{keeper.store.folder}: hidden states of {int(filled.sum())} of {len(filled)} replies kept"
+                  + ("" if filled.all() else "; `verispec train` computes the rest"))  # fmt: skip
     records = read_records(args.out)
     tokens = sum(len(r["prompt_ids"]) + len(r["completion_ids"]) for r in records)
     print(f"{args.out}: {len(records)} records, {tokens} tokens in all")

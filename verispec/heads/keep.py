@@ -1,0 +1,134 @@
+"""Keeping the target's hidden states while it distils its replies (``verispec distill --keep-hidden``).
+
+Training heads on distilled replies needs the target's hidden state after every token of them
+(:class:`~verispec.heads.data.HiddenStore`). Computed afterwards, that is a second pass of the target
+over every prompt and reply: on a 2-core AVX2 machine ~50 tokens/s, about as long again as
+generating them (2-3 hours for the 480k tokens of the 1.5B's pack). But generating computes those very
+states: :class:`HiddenRecorder`, the engine's ``hidden_observer``, keeps them per request, and
+:class:`StoreKeeper` grows the store by each batch of records just written, their states filled in.
+
+- The state after a reply's last token is never computed (the engine never feeds it). No training
+  pair reads it (``TokenData.ok`` is False at a sequence's last position: nothing follows it), so the
+  store holds zeros there.
+- The argmax after each token is the raw target's (before any grammar or penalty), as a store pass
+  keeps it: the engine's logits for decode rows, the LM head for prompt rows (prefill keeps no logits).
+- Replies are decoded in batches on the decode path and prompts prefilled in chunks, where a store
+  pass prefills each sequence whole: the states agree within rounding, not to the bit
+  (``tests/heads/test_keep.py``); the decode path's are the ones drafting reads.
+- Records the file already holds without states (written before, or without the flag) become
+  sequences still to fill; ``verispec train`` fills them (:meth:`HiddenStore.fill` skips the kept ones).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verispec.heads.data import DataSpec, HiddenStore, build_examples, open_store, quantization_of
+from verispec.heads.identity import TargetIdentity
+
+
+class HiddenRecorder:
+    """The target's last hidden state and argmax after every fed token, per request, in order."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self._hidden: dict[str, list[torch.Tensor]] = {}
+        self._greedy: dict[str, list[torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def prefilled(self, request_id: str, hidden: torch.Tensor) -> None:
+        rows = hidden.float()
+        greedy = torch.cat([self.target.lm_head(chunk).argmax(dim=-1) for chunk in rows.split(256)])
+        self._keep(request_id, rows, greedy)
+
+    def committed(self, request_id: str, hidden: torch.Tensor, greedy: torch.Tensor) -> None:
+        self._keep(request_id, hidden.float(), greedy)
+
+    def _keep(self, request_id: str, hidden: torch.Tensor, greedy: torch.Tensor) -> None:
+        self._hidden.setdefault(request_id, []).append(hidden.to(torch.float16))
+        self._greedy.setdefault(request_id, []).append(greedy.to(torch.int32))
+
+    def take(self, request_id: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A request's states ``[n, H]`` float16 and argmax ``[n]``, forgotten here (None if none)."""
+        hidden, greedy = self._hidden.pop(request_id, None), self._greedy.pop(request_id, None)
+        if not hidden or not greedy:
+            return None
+        return torch.cat(hidden).numpy(), torch.cat(greedy).numpy()
+
+    def clear(self) -> None:
+        self._hidden.clear()
+        self._greedy.clear()
+
+
+class StoreKeeper:
+    """The hidden-state store of a distillation file, grown as records are appended to it.
+
+    It is the store ``verispec train --sources distilled --distilled FILE`` opens with the same
+    data flags (the defaults, or ``--cache-dir``), so training starts without a pass over the replies.
+    """
+
+    def __init__(
+        self, target: Any, identity: TargetIdentity, out: Path, cache_dir: Path | None = None
+    ) -> None:
+        self.target = target
+        self.identity = identity
+        self.spec = DataSpec(sources=("distilled",), distilled=str(out.expanduser().resolve()))
+        self.store: HiddenStore = open_store(target, identity, self.spec, cache_dir)
+        self.recorder = HiddenRecorder(target)
+
+    def request_id(self, record_id: str) -> str:
+        return f"distill:{record_id}"
+
+    def sync(self) -> tuple[int, int]:
+        """Grow the store by the file's records it lacks, filling those whose states were recorded;
+        returns (sequences added, of which filled). The recorder is emptied."""
+        examples, cursor = build_examples(None, self.spec, 1 << 62, self.store.cursor, progress=False)
+        if not examples:
+            self.recorder.clear()
+            return 0, 0
+        first = int(self.store.meta.get("sequences", 0)) if self.store.meta else 0
+        self.store.extend(
+            examples,
+            cursor,
+            self.identity,
+            self.spec,
+            self.target.hidden_size,
+            quantization=quantization_of(self.target),
+        )
+        rows = {}
+        for i, example in enumerate(examples):
+            kept = self.recorder.take(self.request_id(example.key))
+            states = _aligned(kept, len(example.ids), self.target.hidden_size)
+            if states is not None:
+                rows[first + i] = states
+            elif kept is not None:
+                print(f"{example.key}: {len(kept[0])} states recorded for {len(example.ids)} tokens; "
+                      "left for a store pass", file=sys.stderr)  # fmt: skip
+        self.recorder.clear()
+        if rows:
+            self.store.put(rows)
+        return len(examples), len(rows)
+
+
+def _aligned(
+    kept: tuple[np.ndarray, np.ndarray] | None, length: int, hidden_size: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Recorded states cut to a sequence of ``length`` tokens (a record longer than the store's
+    ``max_seq_len`` is cut), with a zero row for the last token's, which is never computed; None
+    where they cannot be that sequence's."""
+    if kept is None:
+        return None
+    hidden, greedy = kept
+    if len(hidden) >= length:
+        return hidden[:length], greedy[:length]
+    if len(hidden) == length - 1:
+        return (
+            np.concatenate([hidden, np.zeros((1, hidden_size), dtype=hidden.dtype)]),
+            np.concatenate([greedy, np.zeros(1, dtype=greedy.dtype)]),
+        )
+    return None
