@@ -112,6 +112,9 @@ class Example:
     source: str = ""
     key: str = ""
     """A distilled record's id (what ``verispec distill --keep-hidden`` matches its states by)."""
+    prompt_len: int = 0
+    """A distilled reply's prompt tokens: the store pass feeds the rest as decode steps, as the
+    target was fed when it wrote them (:func:`target_states`); 0 for text to prefill whole."""
 
 
 # ----------------------------------------------------------------------------- sources
@@ -239,7 +242,9 @@ def distilled_example(record: dict[str, Any], max_len: int) -> Example:
     prompt, completion = list(record["prompt_ids"]), list(record["completion_ids"])
     labelled = [record["kind"] == "text"] * len(prompt) + [True] * len(completion)
     ids = (prompt + completion)[:max_len]
-    return Example(ids, labelled[:max_len], "distilled", str(record.get("id", "")))
+    return Example(
+        ids, labelled[:max_len], "distilled", str(record.get("id", "")), min(len(prompt), len(ids))
+    )
 
 
 @dataclass
@@ -427,6 +432,11 @@ class HiddenStore:
         np.save(grown / "heldout.npy", new["heldout"])
         filled = self.filled() if before else np.zeros(0, dtype=bool)
         np.save(grown / "filled.npy", np.concatenate([filled, np.zeros(len(examples), dtype=bool)]))
+        prompts = self.prompt_lengths() if before else np.zeros(0, dtype=np.int32)
+        np.save(
+            grown / "prompts.npy",
+            np.concatenate([prompts, [e.prompt_len for e in examples]]).astype(np.int32),
+        )
         taps = len(spec.feature_layers)
         for name, shape, dtype in (
             ("hidden", (total, hidden_size), np.float16),
@@ -477,6 +487,34 @@ class HiddenStore:
         if (self.folder / "filled.npy").is_file():
             return np.load(self.folder / "filled.npy")
         return np.arange(int(self.meta.get("sequences", 0))) < int(self.meta.get("done", 0))
+
+    def prompt_lengths(self) -> np.ndarray:
+        """``[S]`` int32: each distilled reply's prompt tokens (0: prefilled whole, as every sequence
+        of a store made before they were kept)."""
+        if (self.folder / "prompts.npy").is_file():
+            return np.load(self.folder / "prompts.npy")
+        return np.zeros(int(self.meta.get("sequences", 0)), dtype=np.int32)
+
+    def recover_prompt_lengths(self, spec: DataSpec) -> bool:
+        """For a store made before prompt lengths were kept: its distilled replies' prompt lengths,
+        read again from the file (the example stream does not depend on how it was read, so it lines
+        up; checked against every sequence's length). False where it cannot line up."""
+        count = int(self.meta.get("sequences", 0))
+        if (
+            not count
+            or spec.sources != ("distilled",)
+            or spec.skip_tokens
+            or (self.folder / "prompts.npy").is_file()
+        ):
+            return False
+        examples, _ = build_examples(None, spec, self.tokens, Cursor(), progress=False)
+        lengths = np.diff(np.asarray(self.array("starts")))
+        if len(examples) < count or [len(e.ids) for e in examples[:count]] != lengths.tolist():
+            return False
+        np.save(
+            self.folder / "prompts.npy", np.array([e.prompt_len for e in examples[:count]], dtype=np.int32)
+        )
+        return True
 
     def put(self, rows: dict[int, tuple[np.ndarray, np.ndarray]]) -> None:
         """Write sequences' states computed elsewhere (``verispec distill --keep-hidden``): ``rows``
@@ -554,7 +592,7 @@ class HiddenStore:
         taps = self.array("taps", "r+") if layers else None
         argmax = self.array("argmax", "r+")
         done = int(self.meta["done"])
-        filled = self.filled()
+        filled, prompts = self.filled(), self.prompt_lengths()
         lengths = np.diff(np.asarray(starts))
         bar = tqdm(
             total=int(starts[-1]), initial=int(lengths[filled].sum()), unit="tok",
@@ -568,7 +606,7 @@ class HiddenStore:
             if filled[s]:  # kept while generating (put)
                 continue
             a, b = int(starts[s]), int(starts[s + 1])
-            h, top = target_states(target, tokens[a:b].tolist(), layers)
+            h, top = target_states(target, tokens[a:b].tolist(), layers, int(prompts[s]))
             hidden[a:b] = h[:, : hidden.shape[1]].numpy().astype(np.float16)
             if taps is not None:
                 taps[a:b] = h[:, hidden.shape[1] :].numpy().astype(np.float16)
@@ -598,24 +636,62 @@ class HiddenStore:
         self._save_filled(filled)
 
 
+DECODE_ROWS = 16
+"""Tokens a store pass feeds per forward after the prompt: any count up to a verify step's limit
+(``verispec.models.attention.ROWWISE_MAX_QUERIES``) scores each token as a decode step does."""
+
+
 @torch.inference_mode()
 def target_states(
-    target: Any, ids: list[int], feature_layers: tuple[int, ...] = ()
+    target: Any, ids: list[int], feature_layers: tuple[int, ...] = (), prompt_len: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden state after each token of ``ids`` ``[n, H]`` (``[n, (1 + F) H]`` with
     ``feature_layers``) and its argmax next token ``[n]``, with the engine's own forward (so, int8 on
-    the fast path: what drafting will see)."""
+    the fast path: what drafting will see).
+
+    ``prompt_len`` (a distilled reply's prompt): fed as the engine fed it when the target wrote the
+    reply, its prompt but the last token prefilled in the engine's chunks and the rest as decode
+    rows. On the quantized paths that is not a detail: their activation rows are rounded to 7-8
+    bits, so prefill's attention (SDPA, whose last bits depend on the row count) moves some rows by a
+    quantization step. Prefilled whole, the 1.5B int4's states of its own replies had a median
+    cosine of 0.998 to those it wrote them with and an argmax other than the token it wrote at 1.9%
+    of reply positions; fed this way they are the same (``tests/heads/test_keep.py``). 0 prefills
+    ``ids`` whole (text nobody generated: a prompt's states are all there is).
+    """
+    if prompt_len <= 0:
+        parts = [_fed(target, ids, feature_layers, prefill=True)]
+    else:
+        from verispec.config import SchedulerConfig
+
+        chunk, cache = SchedulerConfig().prefill_chunk, target.new_cache()
+        parts, pos = [], 0
+        while pos < prompt_len - 1:  # as SpecEngine._prefill cuts a prompt
+            end = min(prompt_len - 1, (pos // chunk + 1) * chunk)
+            parts.append(_fed(target, ids[pos:end], feature_layers, prefill=True, cache=cache))
+            pos = end
+        for a in range(pos, len(ids), DECODE_ROWS):
+            parts.append(_fed(target, ids[a : a + DECODE_ROWS], feature_layers, prefill=False, cache=cache))
+    return torch.cat([h for h, _ in parts]), torch.cat([t for _, t in parts]).int()
+
+
+def _fed(
+    target: Any, ids: list[int], feature_layers: tuple[int, ...], *, prefill: bool, cache: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``ids`` after ``cache``'s tokens: states and argmax, as a prefill (no logits:
+    the many-row kernels) or as decode rows (logits kept: the decode kernels)."""
+    n = len(ids)
     out = target.forward_batch(
-        [target.new_cache()],
+        [cache if cache is not None else target.new_cache()],
         [ids],
-        logits_to_keep=[0],
-        hidden_to_keep=[len(ids)],
+        logits_to_keep=[0 if prefill else n],
+        hidden_to_keep=[n],
         feature_layers=feature_layers,
     )
     hidden = out.hidden[0].float()
+    if not prefill:
+        return hidden, out.logits[0].argmax(dim=-1)
     last = hidden[:, : target.hidden_size]
-    top = torch.cat([target.lm_head(chunk).argmax(dim=-1) for chunk in last.split(256)])
-    return hidden, top.int()
+    return hidden, torch.cat([target.lm_head(chunk).argmax(dim=-1) for chunk in last.split(256)])
 
 
 def prepare_store(
@@ -695,4 +771,5 @@ def open_store(
         # --keep-hidden's before its first reply (training on it fails on reading the examples).
         if read_records(Path(spec.distilled)):
             check_file(Path(spec.distilled), identity)
+            store.recover_prompt_lengths(spec)
     return store
