@@ -217,3 +217,40 @@ def test_proposer_state_stays_fresh_while_speculation_is_paused(tiny_target, tin
     resumed = engine_for(tiny_target, draft, method).generate(prompt + want.token_ids[:15], max_new_tokens=45)
     assert got.stats.num_drafted == resumed.stats.num_drafted > 0
     assert got.stats.num_accepted == resumed.stats.num_accepted > 0
+
+
+def test_as_completed_streams_prompts_through_a_full_batch(tiny_target, tiny_draft):
+    """A stream of prompts with their own settings: each answered as alone, yielded once as it
+    finishes (not in order), requests made only as the window frees up, and the batch full until the
+    stream runs out."""
+    plain = engine_for(tiny_target, None, None, batch=1)
+    want = [plain.generate(p, max_new_tokens=20 + 3 * i).token_ids for i, p in enumerate(PROMPTS)]
+    engine = engine_for(tiny_target, tiny_draft, "draft", batch=2)
+    batch_sizes: list[int] = []
+    engine.step_observers.append(lambda report: batch_sizes.append(report.batch_size))
+    made: list[int] = []
+
+    def work():
+        for i, p in enumerate(PROMPTS):
+            made.append(i)
+            yield p, {"max_new_tokens": 20 + 3 * i}
+
+    order, got = [], {}
+    for i, gen in engine.as_completed(work(), window=3):
+        assert len(made) <= len(order) + 3  # never more than the window in the engine
+        order.append(i)
+        got[i] = gen.token_ids
+    assert sorted(order) == list(range(len(PROMPTS))) and order != sorted(order)
+    assert [got[i] for i in range(len(PROMPTS))] == want
+    assert batch_sizes[: len(batch_sizes) // 2].count(2) == len(batch_sizes) // 2  # full while prompts remain
+    assert not engine.has_work()
+
+
+def test_as_completed_refuses_a_bad_window_and_aborts_on_a_bad_prompt(tiny_target):
+    engine = engine_for(tiny_target, None, None, batch=2)
+    with pytest.raises(VerispecError, match="window"):
+        next(engine.as_completed([([1, 2], {})], window=1000))
+    work = [([1, 2, 3], {}), ([4, 5], {}), ([6], {"max_new_tokens": 0})]
+    with pytest.raises(VerispecError, match="max_new_tokens"):
+        list(engine.as_completed(work, max_new_tokens=8))
+    assert not engine.has_work()  # the requests already made were aborted

@@ -173,9 +173,12 @@ def test_distill_keep_hidden_fills_the_store_train_opens(
     assert store.filled().tolist() == [False, False, True, True, True, True] and not store.complete
     records = read_records(out)
     assert store.prompt_lengths().tolist() == [len(r["prompt_ids"]) for r in records]
-    assert [(r["kind"], r["schema"]) for r in records[2:]] == [
-        ("text", ""), ("chat", "answer"), ("text", ""), ("chat", "function")
-    ]  # fmt: skip
+    assert sorted((r["kind"], r["schema"]) for r in records[2:]) == [
+        ("chat", "answer"),
+        ("chat", "function"),
+        ("text", ""),
+        ("text", ""),
+    ]  # fmt: skip (written as they finish)
 
     import verispec
 

@@ -37,6 +37,11 @@ from verispec.heads.data import DataSpec, HiddenStore, build_examples, open_stor
 from verispec.heads.identity import TargetIdentity
 
 
+def request_id(record_id: str) -> str:
+    """The engine request that answers a distilled record's prompt (how its states are found)."""
+    return f"distill:{record_id}"
+
+
 class HiddenRecorder:
     """The target's last hidden state and argmax after every fed token, per request, in order."""
 
@@ -86,9 +91,6 @@ class StoreKeeper:
         self.store: HiddenStore = open_store(target, identity, self.spec, cache_dir)
         self.recorder = HiddenRecorder(target)
 
-    def request_id(self, record_id: str) -> str:
-        return f"distill:{record_id}"
-
     def sync(self) -> tuple[int, int]:
         """Grow the store by the file's records it lacks, filling those whose states were recorded;
         returns (sequences added, of which filled). The recorder is emptied."""
@@ -107,7 +109,7 @@ class StoreKeeper:
         )
         rows = {}
         for i, example in enumerate(examples):
-            kept = self.recorder.take(self.request_id(example.key))
+            kept = self.recorder.take(request_id(example.key))
             states = _aligned(kept, len(example.ids), self.target.hidden_size)
             if states is not None:
                 rows[first + i] = states
