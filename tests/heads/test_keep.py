@@ -162,6 +162,7 @@ def test_distill_keep_hidden_fills_the_store_train_opens(
     (tmp_path / "share.json").write_text(json.dumps(share))
     monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: tmp_path / "share.json")
     monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: tmp_path / "share.json")
+    monkeypatch.setattr("verispec.heads.distill.SYNC_EVERY", 1)  # a sync while other replies still run
     out, kept, passed = tmp_path / "d.jsonl", tmp_path / "kept", tmp_path / "pass"
     common = ["distill", "--target", "smollm2-135m-instruct", "--out", str(out), "--max-new-tokens", "20",
               "--quiet", "--threads", "2", "--method", "ngram"]  # fmt: skip

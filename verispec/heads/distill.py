@@ -38,6 +38,9 @@ from verispec.heads.keep import StoreKeeper, request_id
 from verispec.structured import Structured
 
 KINDS = ("chat", "text")
+SYNC_EVERY = 128
+"""Records between two syncs of ``--keep-hidden``'s store (each copies the store's arrays: ~10-20 s for
+a 500k-token store)."""
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def distill(
     out: Path,
     *,
     max_new_tokens: int = 256,
-    sync_every: int = 128,
+    sync_every: int | None = None,
     progress: bool = True,
     keeper: StoreKeeper | None = None,
 ) -> int:
@@ -296,9 +299,10 @@ def distill(
     returns how many were written now (prompts already in the file are skipped). The prompts stream
     through the engine (:meth:`~verispec.engine.SpecEngine.as_completed`), so its batch stays full
     to the last ones. With ``keeper``, the target's hidden states of the records go into the file's
-    hidden-state store every ``sync_every`` records and at the end."""
+    hidden-state store every ``sync_every`` records (:data:`SYNC_EVERY`) and at the end."""
     from tqdm import tqdm
 
+    sync_every = sync_every or SYNC_EVERY
     made_by = {"target": engine.target.name, "target_config_sha256": identify(engine.target).config_sha256}
     done = {r["id"] for r in read_records(out)}
     todo = [p for p in prompts if p.id not in done]
@@ -343,6 +347,7 @@ def distill(
     finally:
         if keeper is not None:
             keeper.sync()
+            keeper.recorder.clear()  # requests that ended without a record (an error, an interruption)
             engine.hidden_observer = None
     bar.close()
     return written

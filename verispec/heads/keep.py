@@ -92,11 +92,11 @@ class StoreKeeper:
         self.recorder = HiddenRecorder(target)
 
     def sync(self) -> tuple[int, int]:
-        """Grow the store by the file's records it lacks, filling those whose states were recorded;
-        returns (sequences added, of which filled). The recorder is emptied."""
+        """Grow the store by the file's records it lacks, filling those whose states were recorded
+        (and forgetting them); returns (sequences added, of which filled). Requests still running keep
+        what was recorded of them."""
         examples, cursor = build_examples(None, self.spec, 1 << 62, self.store.cursor, progress=False)
         if not examples:
-            self.recorder.clear()
             return 0, 0
         first = int(self.store.meta.get("sequences", 0)) if self.store.meta else 0
         self.store.extend(
@@ -116,7 +116,6 @@ class StoreKeeper:
             elif kept is not None:
                 print(f"{example.key}: {len(kept[0])} states recorded for {len(example.ids)} tokens; "
                       "left for a store pass", file=sys.stderr)  # fmt: skip
-        self.recorder.clear()
         if rows:
             self.store.put(rows)
         return len(examples), len(rows)
