@@ -134,16 +134,31 @@ def test_a_store_fills_only_the_sequences_not_kept(tmp_path, tiny_target):
         again.put({2: (marker[0][:5], marker[1][:5])})
 
 
-def test_a_store_made_before_the_mask_counts_its_done_prefix_as_filled(tmp_path, tiny_target, monkeypatch):
+def test_a_store_made_before_the_mask_and_the_prompt_lengths_reads_them_from_what_it_has(
+    tmp_path, tiny_target, monkeypatch
+):
+    """Its first ``done`` sequences are filled; its distilled replies' prompt lengths are read again
+    from the file when the store is opened for training (so the rest are fed as they were written)."""
     monkeypatch.setattr(tiny_target, "tokenizer", ModTokenizer(), raising=False)
     path = tmp_path / "d.jsonl"
     write_records(path, 4)
     spec = DataSpec(max_tokens=1000, sources=("distilled",), distilled=str(path))
     store = prepare_store(tiny_target, identify(tiny_target), spec, tmp_path / "s", progress=False)
+    assert store.prompt_lengths().tolist() == [10] * 4  # write_records: 10 prompt tokens each
     (tmp_path / "s" / "filled.npy").unlink()
+    (tmp_path / "s" / "prompts.npy").unlink()
     assert HiddenStore.open(tmp_path / "s").filled().tolist() == [True] * 4
     store.meta["done"] = 2
     assert store.filled().tolist() == [True, True, False, False]
+    assert store.prompt_lengths().tolist() == [0] * 4  # prefilled whole, as such stores were
+    assert (
+        open_store(tiny_target, identify(tiny_target), spec, tmp_path / "s").prompt_lengths().tolist()
+        == [10] * 4
+    )
+    write_records(path, 1, start=4)  # a file that no longer lines up with the store is not read
+    (tmp_path / "s" / "prompts.npy").unlink()
+    other = DataSpec(max_tokens=1000, sources=("distilled",), distilled=str(path), max_seq_len=20)
+    assert not HiddenStore.open(tmp_path / "s").recover_prompt_lengths(other)
 
 
 @needs_smollm2
