@@ -145,6 +145,8 @@ def test_distill_command_refuses_bad_counts_before_loading(capsys, tmp_path):
     assert "not all 0" in capsys.readouterr().err and not out.exists()
     assert main(["distill", "--out", str(out), "--json", "-1"]) == 2
     assert "--json must be >= 0" in capsys.readouterr().err and not out.exists()
+    assert main(["distill", "--out", str(out), "--cache-dir", str(tmp_path / "s")]) == 2
+    assert "--keep-hidden" in capsys.readouterr().err and not out.exists()
 
 
 def test_sharegpt_prompts_come_from_the_end_of_the_training_order(tmp_path, monkeypatch):

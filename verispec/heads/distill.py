@@ -443,6 +443,8 @@ def run_distill(args: Any) -> int:
         )
     if args.code_per_file < 1:
         raise VerispecError(f"--code-per-file must be >= 1, got {args.code_per_file}")
+    if args.cache_dir is not None and not args.keep_hidden:
+        raise VerispecError("--cache-dir names the store of --keep-hidden; give both or neither")
     if args.unpack is not None:
         pack.read_pack(args.unpack)  # not a pack: said before any model loads
     chat = sharegpt_prompts(args.chat, args.seed) if args.chat else []
