@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from itertools import count
@@ -739,44 +739,6 @@ class SpecEngine:
             if out.prompt_logprobs is not None:
                 scores[out.request_id] = out.prompt_logprobs
         return [_generation(r, events[r.request_id], scores.get(r.request_id)) for r in requests]
-
-    def as_completed(
-        self, work: Iterable[tuple[Prompt, Mapping[str, Any]]], *, window: int | None = None, **kwargs: Any
-    ) -> Iterator[tuple[int, Generation]]:
-        """Generate for a stream of ``(prompt, its own settings)``, yielding ``(index, generation)``
-        as each finishes. Requests are made only as slots free up, keeping ``window`` in the engine
-        (default: twice the batch), so the batch stays full to the end of the stream instead of
-        running half-empty at the end of each fixed batch of prompts (``generate_batch``), and a
-        long stream's prompts are not all encoded (or their grammars compiled) up front."""
-        window = window or 2 * self.scheduler.max_batch_size
-        if not 1 <= window <= self.scheduler.max_batch_size + self.scheduler.max_waiting:
-            raise VerispecError(f"window must be between 1 and max_batch_size + max_waiting, got {window}")
-        items = enumerate(work)
-        live: dict[str, tuple[int, Request, list[TokenEvent]]] = {}
-        scores: dict[str, list[TokenLogprobs | None]] = {}
-        try:
-            while True:
-                while len(live) < window and (item := next(items, None)) is not None:
-                    index, (prompt, mine) = item
-                    request = self.make_request(prompt, **{**kwargs, **mine})
-                    self.add(request)
-                    live[request.request_id] = (index, request, [])
-                if not live:
-                    return
-                for out in self.step():
-                    if out.request_id not in live:
-                        continue
-                    if out.error is not None:
-                        raise VerispecError(out.error)
-                    live[out.request_id][2].extend(out.events)
-                    if out.prompt_logprobs is not None:
-                        scores[out.request_id] = out.prompt_logprobs
-                    if out.finished:
-                        index, request, events = live.pop(out.request_id)
-                        yield index, _generation(request, events, scores.pop(out.request_id, None))
-        finally:
-            for request_id in live:
-                self.abort(request_id)
 
     def stream(self, prompt: Prompt, **kwargs: Any) -> Iterator[TokenEvent]:
         """Yield one :class:`TokenEvent` per generated token as soon as it is committed.

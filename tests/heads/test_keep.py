@@ -26,7 +26,7 @@ from verispec.heads.data import (
 )
 from verispec.heads.distill import read_records
 from verispec.heads.identity import identify
-from verispec.heads.keep import HiddenRecorder, _aligned
+from verispec.heads.keep import HiddenRecorder, StoreKeeper, _aligned
 from verispec.heads.train import TokenData, _medusa_positions_in, _medusa_targets, eagle_batch
 from verispec.proposers.base import build_proposer
 
@@ -177,7 +177,6 @@ def test_distill_keep_hidden_fills_the_store_train_opens(
     (tmp_path / "share.json").write_text(json.dumps(share))
     monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: tmp_path / "share.json")
     monkeypatch.setattr("verispec.heads.data.sharegpt_file", lambda: tmp_path / "share.json")
-    monkeypatch.setattr("verispec.heads.distill.SYNC_EVERY", 1)  # a sync while other replies still run
     out, kept, passed = tmp_path / "d.jsonl", tmp_path / "kept", tmp_path / "pass"
     common = ["distill", "--target", "smollm2-135m-instruct", "--out", str(out), "--max-new-tokens", "20",
               "--quiet", "--threads", "2", "--method", "ngram"]  # fmt: skip
@@ -225,3 +224,10 @@ def test_distill_keep_hidden_fills_the_store_train_opens(
             b -= 1
         assert (hidden[a:b] == ref_hidden[a:b]).all(), s
         assert (argmax[a:b] == ref_argmax[a:b]).all(), s
+
+
+def test_a_keeper_of_a_file_not_written_yet_waits_for_its_first_records(tmp_path, tiny_target):
+    keeper = StoreKeeper(tiny_target, identify(tiny_target), tmp_path / "new.jsonl", tmp_path / "s")
+    assert keeper.sync() == (0, 0) and not keeper.store.meta  # `distill --keep-hidden` on a new file
+    write_records(tmp_path / "new.jsonl", 3)
+    assert keeper.sync() == (3, 0) and keeper.store.filled().tolist() == [False] * 3

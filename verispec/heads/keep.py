@@ -95,6 +95,10 @@ class StoreKeeper:
         """Grow the store by the file's records it lacks, filling those whose states were recorded
         (and forgetting them); returns (sequences added, of which filled). Requests still running keep
         what was recorded of them."""
+        from verispec.heads.distill import read_records
+
+        if len(read_records(Path(str(self.spec.distilled)))) <= self.store.cursor.distilled:
+            return 0, 0  # nothing new (or a file not written yet)
         examples, cursor = build_examples(None, self.spec, 1 << 62, self.store.cursor, progress=False)
         if not examples:
             return 0, 0
