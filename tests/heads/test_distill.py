@@ -283,7 +283,7 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(
     assert main(args) == 0
     records = read_records(out)
     kinds = [("chat", ""), ("chat", ""), ("chat", "answer"), ("chat", "function"), ("text", ""), ("text", "")]
-    assert sorted((r["kind"], r["schema"]) for r in records) == kinds  # written as they finish
+    assert sorted((r["kind"], r["schema"]) for r in records) == kinds
     assert {r["target"] for r in records} == {"smollm2-135m-instruct"}
     plain = verispec.load("smollm2-135m-instruct", threads=2)
     for r in records:

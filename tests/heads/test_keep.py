@@ -193,7 +193,7 @@ def test_distill_keep_hidden_fills_the_store_train_opens(
         ("chat", "function"),
         ("text", ""),
         ("text", ""),
-    ]  # fmt: skip (written as they finish)
+    ]  # fmt: skip
 
     import verispec
 

@@ -322,12 +322,11 @@ def distill(
             gens = engine.generate_batch(ids, each=each, max_new_tokens=max_new_tokens, temperature=0.0)
             with out.open("a", encoding="utf-8") as f:
                 for prompt, prompt_ids, gen in zip(group, ids, gens, strict=True):
+                    completion = list(gen.token_ids)  # the end-of-turn token included, where written
                     record = {
                         **asdict(prompt),
                         "prompt_ids": prompt_ids,
-                        "completion_ids": list(
-                            gen.token_ids
-                        ),  # the end-of-turn token included, where written
+                        "completion_ids": completion,
                         "completion": gen.text,
                         "finish_reason": gen.finish_reason,
                         **made_by,
