@@ -690,8 +690,14 @@ def _fed(
     hidden = out.hidden[0].float()
     if not prefill:
         return hidden, out.logits[0].argmax(dim=-1)
-    last = hidden[:, : target.hidden_size]
-    return hidden, torch.cat([target.lm_head(chunk).argmax(dim=-1) for chunk in last.split(256)])
+    return hidden, lm_head_argmax(target, hidden[:, : target.hidden_size])
+
+
+def lm_head_argmax(target: Any, rows: torch.Tensor) -> torch.Tensor:
+    """The target's greedy next token after each last-layer state ``[n, H]`` (256 rows of logits at a
+    time): for prompt rows, whose prefill keeps no logits. One function for the store pass and for
+    ``verispec distill --keep-hidden``, whose argmaxes must agree to the bit."""
+    return torch.cat([target.lm_head(chunk).argmax(dim=-1) for chunk in rows.split(256)])
 
 
 def prepare_store(

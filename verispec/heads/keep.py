@@ -12,14 +12,13 @@ states: :class:`HiddenRecorder`, the engine's ``hidden_observer``, keeps them pe
   store holds zeros there.
 - The argmax after each token is the raw target's (before any grammar or penalty), as a store pass
   keeps it: the engine's logits for decode rows, the LM head for prompt rows (prefill keeps no logits).
-- Replies are decoded in batches on the decode path and prompts prefilled in chunks, where a store
-  pass prefills each sequence whole. In float32 the states agree within rounding (cosine > 0.99999,
-  the same argmax; ``tests/heads/test_keep.py``). On the quantized paths, whose activation rows are
-  rounded to 7-8 bits, prefill's attention (SDPA, whose last bits depend on the row count) can move
-  a row by a quantization step, so a few rows differ more (SmolLM2 int8: cosine 0.94 at one row
-  between prefills of 60 and 98 tokens of the same text). The kept states are then the more
-  faithful ones: they are what drafting reads, a prompt prefilled as the engine prefills it and the
-  reply's tokens fed as decode steps.
+- Prompts are prefilled in the engine's chunks and replies fed as decode steps, so a store pass
+  that prefilled each sequence whole would not give these states on the quantized paths (their 7-8
+  bit activation rows turn SDPA's row-count-dependent last bits into quantization steps: the 1.5B
+  int4's whole-prefill argmax differed from the token it wrote at 1.9% of reply positions). The
+  store pass therefore feeds a distilled reply as the engine fed it
+  (:func:`~verispec.heads.data.target_states` with ``prompt_len``) and matches these states to the
+  bit (``tests/heads/test_keep.py``).
 - Records the file already holds without states (written before, or without the flag) become
   sequences still to fill; ``verispec train`` fills them (:meth:`HiddenStore.fill` skips the kept ones).
 """
@@ -33,7 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from verispec.heads.data import DataSpec, HiddenStore, build_examples, open_store, quantization_of
+from verispec.heads.data import (
+    DataSpec,
+    HiddenStore,
+    build_examples,
+    lm_head_argmax,
+    open_store,
+    quantization_of,
+)
 from verispec.heads.identity import TargetIdentity
 
 
@@ -53,8 +59,7 @@ class HiddenRecorder:
     @torch.inference_mode()
     def prefilled(self, request_id: str, hidden: torch.Tensor) -> None:
         rows = hidden.float()
-        greedy = torch.cat([self.target.lm_head(chunk).argmax(dim=-1) for chunk in rows.split(256)])
-        self._keep(request_id, rows, greedy)
+        self._keep(request_id, rows, lm_head_argmax(self.target, rows))
 
     def committed(self, request_id: str, hidden: torch.Tensor, greedy: torch.Tensor) -> None:
         self._keep(request_id, hidden.float(), greedy)
