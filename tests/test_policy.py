@@ -453,3 +453,17 @@ def test_measured_costs_are_keyed_by_the_int4_kernel_build(tiny_target, monkeypa
     before = costs._identity(tiny_target, None)
     monkeypatch.setattr(int4, "kernel_key", lambda: "bbbbbbbbbbbbbbbb")
     assert costs._identity(tiny_target, None) != before
+
+
+def test_measured_costs_are_keyed_by_the_kind_of_lm_head(tiny_target, monkeypatch):
+    """An int4 LM head (AVX2 CPUs, or ``VERISPEC_INT4_LM_HEAD``) prices rows other than an int8 one."""
+    from verispec import costs
+    from verispec.models import int4
+
+    if not int4.cpu_supports_int4():
+        pytest.skip("the int4 kernel needs AVX2 or AVX-512 VNNI")
+    monkeypatch.setattr(tiny_target, "quantization", "int4", raising=False)
+    before = costs._identity(tiny_target, None)
+    head = int4.Int4Linear.from_linear(torch.nn.Linear(64, 96, bias=False))
+    monkeypatch.setattr(tiny_target, "lm_head", head)
+    assert costs._identity(tiny_target, None) != before

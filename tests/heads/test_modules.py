@@ -16,7 +16,7 @@ from verispec.heads.vocab import VocabHead, float_lm_head_weight
 from verispec.models import native
 from verispec.models.hf import HFCausalLM
 from verispec.models.lean import NATIVE_SOURCE
-from verispec.models.quant import quantize_int8_dynamic
+from verispec.models.quant import quantize_int8_dynamic, quantize_model
 
 
 def test_medusa_heads_shapes_and_identity_start():
@@ -195,6 +195,27 @@ def test_vocab_head_slices_an_int8_head_without_requantizing():
     assert head.linear is not None  # int8 rows, not a float copy
     torch.testing.assert_close(head(h), target.lm_head(h)[:, vocab], rtol=1e-5, atol=1e-5)
     # Training reads the de-quantized weights: close to the int8 head's products.
+    weight = float_lm_head_weight(target)
+    assert weight.shape == (96, 64)
+    torch.testing.assert_close(h @ weight.T, target.lm_head(h), rtol=0.05, atol=0.05)
+
+
+def test_vocab_head_slices_an_int4_head_without_requantizing(monkeypatch):
+    """Where the int4 path's LM head is int4 (AVX2 CPUs), a draft vocabulary's head takes its rows
+    as they are: the draft scores its tokens exactly as the target does."""
+    from verispec.models import int4
+
+    if not int4.cpu_supports_int4():
+        pytest.skip("the int4 kernel needs AVX2 or AVX-512 VNNI")
+    monkeypatch.setenv(int4.HEAD_ENV, "1")
+    target = HFCausalLM(quantize_model(copy.deepcopy(tiny_llama(0)), "int4"), name="tiny-int4")
+    assert isinstance(target.lm_head, int4.Int4Linear)
+    vocab = torch.tensor([3, 50, 7])
+    h = torch.randn(4, 64)
+    for int4_heads in (True, False):
+        head = VocabHead(target, vocab, int4=int4_heads)
+        assert torch.equal(head(h), target.lm_head(h)[:, vocab])
+    assert VocabHead(target, None).linear is target.lm_head
     weight = float_lm_head_weight(target)
     assert weight.shape == (96, 64)
     torch.testing.assert_close(h @ weight.T, target.lm_head(h), rtol=0.05, atol=0.05)

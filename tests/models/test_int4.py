@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -157,21 +158,93 @@ def test_the_fitted_scales_never_lose_to_plain_rounding_and_clip_outliers():
     assert chosen_steps[0, 0] < step[0, 0, 0] and err[0, 0] < plain[0, 0]
 
 
-@pytest.fixture(scope="module", params=AMX_MODES)
+@contextlib.contextmanager
+def lm_head(kind: str) -> Iterator[None]:
+    """Models converted inside this block get an int4 or int8 LM head, whatever the CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(int4.HEAD_ENV, "1" if kind == "int4" else "0")
+        yield
+
+
+HEADS = ("int4", "int8")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param((m.values[0], h), id=f"{m.id}-{h}-head") for m in AMX_MODES for h in HEADS],
+)
 def float_and_int4(request) -> tuple[HFCausalLM, HFCausalLM]:
+    """Both LM heads the int4 path can have (the CPU picks one, ``VERISPEC_INT4_LM_HEAD`` either)."""
+    amx, head = request.param
     model = tiny_llama(0)
-    with kernels(request.param):
+    with kernels(amx), lm_head(head):
         quantized = quantize_model(copy.deepcopy(model), "int4")
-    assert all(m.amx == request.param for m in quantized.modules() if isinstance(m, Int4Linear))
-    return HFCausalLM(model, name="fp32"), HFCausalLM(quantized, name="int4")
+    assert all(m.amx == amx for m in quantized.modules() if isinstance(m, Int4Linear))
+    lm = HFCausalLM(quantized, name="int4")
+    assert isinstance(lm.lm_head, Int4Linear if head == "int4" else RowwiseInt8Linear)
+    return HFCausalLM(model, name="fp32"), lm
 
 
-def test_every_linear_but_the_head_is_int4(float_and_int4):
+def test_every_linear_but_perhaps_the_head_is_int4(float_and_int4):
     _, q4 = float_and_int4
     linears = [m for m in q4.model.modules() if isinstance(m, Int4Linear | RowwiseInt8Linear)]
-    assert isinstance(q4.lm_head, RowwiseInt8Linear)
-    assert sum(isinstance(m, Int4Linear) for m in linears) == len(linears) - 1
+    int8 = [m for m in linears if isinstance(m, RowwiseInt8Linear)]
+    assert int8 == ([q4.lm_head] if isinstance(q4.lm_head, RowwiseInt8Linear) else [])
     assert not any(type(m) is torch.nn.Linear for m in q4.model.modules())
+
+
+def test_the_lm_head_is_int4_on_the_avx2_kernel_unless_chosen(monkeypatch):
+    monkeypatch.delenv(int4.HEAD_ENV, raising=False)
+    assert int4.int4_lm_head() == (int4.kernel_isa() == "avx2")
+    monkeypatch.setattr(int4, "kernel_isa", lambda: "avx2")
+    assert int4.int4_lm_head()
+    monkeypatch.setattr(int4, "kernel_isa", lambda: "avx512-vnni")
+    assert not int4.int4_lm_head()
+    monkeypatch.setenv(int4.HEAD_ENV, "1")
+    assert int4.int4_lm_head()
+    monkeypatch.setenv(int4.HEAD_ENV, "0")
+    assert not int4.int4_lm_head()
+    monkeypatch.setenv(int4.HEAD_ENV, "yes")
+    with pytest.raises(VerispecError, match="VERISPEC_INT4_LM_HEAD must be 0 or 1"):
+        int4.int4_lm_head()
+
+
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_rows_of_an_int4_layer_give_its_outputs_to_the_bit(amx):
+    """A draft vocabulary's head cut from an int4 LM head scores its tokens as the target does."""
+    with kernels(amx):
+        layer = Int4Linear.from_linear(_linear(70, 100, seed=3))
+    ids = torch.tensor([5, 0, 69, 31, 2])  # 5 rows: the cut layer pads its channels to a block
+    cut = layer.rows(ids)
+    assert cut.out_features == 5 and cut.amx == amx
+    for n in (1, 7):
+        x = torch.randn(n, 100)
+        assert torch.equal(cut(x), layer(x)[:, ids])
+    torch.testing.assert_close(cut.dequantized(), layer.dequantized()[ids])
+
+
+def test_a_cached_conversion_gains_the_other_lm_head(tmp_path, monkeypatch):
+    """Switching heads converts only the head, adds it to the cache, and keeps the other one."""
+    from safetensors import safe_open
+
+    cache_file = tmp_path / "tiny.safetensors"
+    with lm_head("int8"):
+        quantize_model(tiny_llama(0), "int4", cache_file)
+    with lm_head("int4"):
+        fresh = HFCausalLM(quantize_model(tiny_llama(0), "int4", cache_file), name="fresh")
+    with safe_open(cache_file, "pt") as f:
+        keys = set(f.keys())
+    assert {"lm_head.int8", "lm_head.int4", "model.layers.0.mlp.down_proj.int4"} <= keys
+    monkeypatch.setattr(int4, "quantize_weight", lambda weight: pytest.fail("converted again"))
+    with lm_head("int4"):
+        cached = HFCausalLM(quantize_model(tiny_llama(0), "int4", cache_file), name="cached")
+    with lm_head("int8"):
+        assert isinstance(quantize_model(tiny_llama(0), "int4", cache_file).lm_head, RowwiseInt8Linear)
+    ids = torch.tensor([PROMPTS[0]])
+    assert isinstance(cached.lm_head, Int4Linear)
+    assert torch.equal(
+        fresh.forward(ids, fresh.new_cache()).logits, cached.forward(ids, cached.new_cache()).logits
+    )
 
 
 def test_int4_logits_stay_close_to_float32(float_and_int4):

@@ -12,9 +12,10 @@ way), and caches the build under verispec's cache folder.
 Each group's scale and offset are chosen by a search over a few clippings of its range, then refit
 by least squares to the codes (llama.cpp's k-quants do both). Groups of 64 rather than 128 halve
 the squared error of the 1.5B's attention weights (e.g. q_proj 0.0124 -> 0.0069 of the weights'
-mean square) for ~5-10% more time per forward. The LM head stays int8
-(:class:`~verispec.models.quant.RowwiseInt8Linear`): its argmax is the output, and Q4_K_M keeps it
-at 6 bits for the same reason. Quality against float32: ``verispec bench quality --quantization int4``.
+mean square) for ~5-10% more time per forward. The LM head is int4 too where the kernel is the
+AVX2 one and int8 (:class:`~verispec.models.quant.RowwiseInt8Linear`) elsewhere: its argmax is the
+output (Q4_K_M keeps it at 6 bits for that reason), and which is better depends on the CPU
+(:func:`int4_lm_head`). Quality against float32: ``verispec bench quality --quantization int4``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ AMX_COLS = 16
 """Output channels per tile of the AMX kernel's layout (:func:`to_amx_layout`)."""
 AMX_ENV = "VERISPEC_INT4_AMX"
 """Set to 0 to run the VNNI kernels on a CPU with AMX (to compare the two)."""
+HEAD_ENV = "VERISPEC_INT4_LM_HEAD"
+"""1 or 0: an int4 or int8 LM head on the int4 path on any CPU (unset: :func:`int4_lm_head`)."""
 LAYOUT = "int4-g64-f16-lane128-v1"
 """Names the packed format; part of the weight cache's key."""
 
@@ -50,6 +53,24 @@ layers it cuts the squared error by 5-10% over the best clipping alone."""
 
 _SOURCE = "int4_linear.cpp"
 _PROMPT_ROWS: ContextVar[bool] = ContextVar("verispec_int4_prompt_rows", default=False)
+
+
+def int4_lm_head() -> bool:
+    """Whether the int4 path's LM head is int4 too (else a :class:`~verispec.models.quant.RowwiseInt8Linear`).
+
+    Where the kernel is the AVX2 one, yes. There fbgemm's int8 head is the slowest product of a
+    decode step and not the more accurate one: on the 1.5B (151936 x 1536, 2-core Zen 3) it takes
+    12.0 ms of a ~47 ms 1-row step against 5.6 ms for the int4 kernel (4 rows 12.5 vs 8.5 ms), and
+    without VNNI its activations are 7-bit (:data:`~verispec.models.quant._REDUCE_RANGE`), so on
+    8192 of the target's own states it agreed with the float32 head's top token 96.24% of the time
+    (mean KL 0.0101 nats) against the int4 head's 96.30% (0.0067; NOTES.md, session 34). Where the
+    kernel is the VNNI one the int8 head has 8-bit activations (and AMX tiles where there are some):
+    it stays int8 there until measured. ``VERISPEC_INT4_LM_HEAD=1`` / ``0`` chooses either anywhere
+    (to compare them); both live side by side in the conversion cache."""
+    choice = os.environ.get(HEAD_ENV, "")
+    if choice not in ("", "0", "1"):
+        raise VerispecError(f"{HEAD_ENV} must be 0 or 1, not {choice!r}")
+    return choice == "1" if choice else kernel_isa() == "avx2"
 
 
 def kernel_isa() -> str | None:
@@ -152,17 +173,21 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
         best_s, best_o = torch.where(better, s, best_s), torch.where(better, o, best_o)
     best_s, best_o = best_s.half(), best_o.half()  # stored as float16: 4.5 bits per weight in all
     q = ((w - best_o.float()) / best_s.float()).round().clamp(0, 15).to(torch.uint8)  # [N, G, GROUP]
-    blocks, groups = n_pad // COLS, k_pad // GROUP
+    return _pack(q, best_s.squeeze(-1), best_o.squeeze(-1))
+
+
+def _pack(
+    q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, G, GROUP] (uint8 0..15, N a multiple of COLS) and float16 scales and offsets [N, G]
+    -> the kernel's layout (:func:`quantize_weight`'s result)."""
+    n_pad, groups = scales.shape
+    blocks = n_pad // COLS
     # Kernel layout: per block and group, GROUP / 32 vectors t of 64 bytes; 16-byte lane j of vector t holds
     # channel j's inputs 32t..32t+15 in its low nibbles and 32t+16..32t+31 in its high ones.
     q = q.view(blocks, COLS, groups, GROUP // 32, 2, 16)  # [block, j, g, t, half, i]
     packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [block, g, t, j, i]
-    per_block = (blocks, groups * COLS)
-    return (
-        packed.reshape(blocks, -1).contiguous(),
-        best_s.view(blocks, COLS, groups).transpose(1, 2).reshape(per_block).contiguous(),
-        best_o.view(blocks, COLS, groups).transpose(1, 2).reshape(per_block).contiguous(),
-    )
+    return packed.reshape(blocks, -1).contiguous(), _per_block(scales, COLS), _per_block(offsets, COLS)
 
 
 def dequantize(
@@ -280,6 +305,25 @@ class Int4Linear(nn.Module):
         if self.amx:
             return from_amx_layout(self.packed, self.scales, self.offsets, self.out_features)
         return self.packed, self.scales, self.offsets
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights [out, in] this layer multiplies by."""
+        return dequantize(*self.parts(), (self.out_features, self.in_features))
+
+    def rows(self, ids: torch.Tensor) -> Int4Linear:
+        """A layer of the output channels ``ids`` only, with their codes, scales and offsets as they
+        are (not re-quantized): its outputs equal this layer's for those channels, to the bit (each
+        output channel's sum reads only its own weights; tested). Used for a draft vocabulary's head
+        cut from an int4 LM head."""
+        packed, scales, offsets = self.parts()
+        ids = ids.long()
+        q = _codes(packed)[ids]
+        s, o = (_per_channel(p, COLS)[ids] for p in (scales, offsets))
+        pad = -len(ids) % COLS
+        q = nn.functional.pad(q, (0, 0, 0, 0, 0, pad))
+        s, o = (nn.functional.pad(p, (0, 0, 0, pad)) for p in (s, o))
+        bias = None if self.bias is None else self.bias[ids]
+        return Int4Linear(*_pack(q, s, o), bias, (len(ids), self.in_features), self.amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
         if self.amx:  # one kernel for every row: decode, verify and prompt rows stay bit-identical

@@ -173,11 +173,15 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
 def quantize_model(
     model: nn.Module, scheme: Literal["int8", "int4"], cache_file: Path | None = None, *, fuse: bool = True
 ) -> nn.Module:
-    """Convert every ``nn.Linear`` of ``model`` to ``scheme`` (int4 keeps the LM head int8, see
-    :mod:`verispec.models.int4`) and use the batch-invariant attention; cache as
-    :func:`quantize_int8_dynamic` says. With ``fuse``, Linears that read the same input become one
-    product (:mod:`verispec.models.fused`: bit-identical results, fewer calls)."""
+    """Convert every ``nn.Linear`` of ``model`` to ``scheme`` (int4's LM head is int4 or int8 by
+    the CPU, :func:`verispec.models.int4.int4_lm_head`) and use the batch-invariant attention; cache
+    as :func:`quantize_int8_dynamic` says (a cache written without some of the layers needed now,
+    such as the other kind of LM head, is rewritten with them added). With ``fuse``, Linears that
+    read the same input become one product (:mod:`verispec.models.fused`: bit-identical results,
+    fewer calls)."""
     from safetensors.torch import load_file, save_file
+
+    from verispec.models.int4 import int4_lm_head
 
     if hasattr(model, "set_attn_implementation"):
         from verispec.models.attention import register
@@ -186,6 +190,7 @@ def quantize_model(
     if torch.backends.quantized.engine not in ("x86", "fbgemm"):
         torch.backends.quantized.engine = "x86"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    int4_head = scheme == "int4" and int4_lm_head()
     cached = load_file(cache_file) if cache_file is not None and cache_file.is_file() else {}
     fresh: dict[str, torch.Tensor] = {}
     with warnings.catch_warnings():
@@ -197,7 +202,7 @@ def quantize_model(
                 if type(child) is not nn.Linear:
                     continue
                 key = f"{parent_name}.{name}" if parent_name else name
-                if scheme == "int4" and child is not head:
+                if scheme == "int4" and (child is not head or int4_head):
                     setattr(parent, name, _int4_linear(child, key, cached, fresh))
                     continue
                 if f"{key}.int8" in cached:
@@ -206,10 +211,10 @@ def quantize_model(
                     int8, scales = RowwiseInt8Linear.quantize_weight(child)
                     fresh[f"{key}.int8"], fresh[f"{key}.scales"] = int8, scales
                 setattr(parent, name, RowwiseInt8Linear(int8, scales, child.bias))
-    if cache_file is not None and fresh and not cached:
+    if cache_file is not None and fresh:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        save_file(fresh, str(tmp))
+        save_file({**cached, **fresh}, str(tmp))
         tmp.replace(cache_file)
     if fuse:
         from verispec.models.fused import fuse_projections
