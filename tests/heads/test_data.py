@@ -276,6 +276,41 @@ def test_a_cache_of_the_same_model_quantized_otherwise_is_refused(tmp_path, tiny
     assert int4.folder != int8.folder and int4.meta["quantization"] == "int4"
 
 
+def test_a_store_made_beside_another_lm_head_gets_its_argmaxes_again(tmp_path, monkeypatch):
+    """The int4 path's LM head is int4 or int8 by the CPU (or VERISPEC_INT4_LM_HEAD): the hidden
+    states are the same, the greedy tokens are not, so a store made beside the other head gets its
+    argmaxes recomputed from its states instead of mixing two targets' tokens."""
+    from verispec.heads.data import lm_head_argmax, open_store
+    from verispec.models import int4
+    from verispec.models.quant import quantize_model
+
+    if not int4.cpu_supports_int4():
+        pytest.skip("the int4 kernel needs AVX2 or AVX-512 VNNI")
+
+    def target(head: str) -> HFCausalLM:
+        monkeypatch.setenv(int4.HEAD_ENV, "1" if head == "int4" else "0")
+        lm = HFCausalLM(quantize_model(tiny_llama(0), "int4"), name="tiny-int4", tokenizer=ModTokenizer())
+        lm.quantization = "int4"
+        return lm
+
+    spec = DataSpec(max_tokens=1000, sources=("stdlib",), max_seq_len=128)
+    t8, t4 = target("int8"), target("int4")
+    store = prepare_store(t8, identify(t8), spec, tmp_path, progress=False)
+    assert store.complete and store.meta["lm_head"] == "int8"
+    rows = torch.from_numpy(np.asarray(store.array("hidden"), dtype=np.float32))
+    stale = store.array("argmax", "r+")
+    stale[:] = -1
+    stale.flush()
+    assert (open_store(t8, identify(t8), spec, tmp_path).array("argmax") == -1).all()  # same head: kept
+    reopened = open_store(t4, identify(t4), spec, tmp_path)
+    assert reopened.array("argmax").tolist() == lm_head_argmax(t4, rows).tolist()
+    assert HiddenStore.open(tmp_path).lm_head == "int4"
+    # A store made before the head was recorded was made beside the int8 head.
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    del meta["lm_head"]
+    assert HiddenStore(tmp_path, meta).lm_head == "int8"
+
+
 def test_a_store_with_feature_layers_keeps_their_taps_and_grows_with_them(tmp_path, tiny_target, monkeypatch):
     """--feature-layers: the store keeps each token's normed inputs of those layers beside its last
     state (what the target computes, unchanged), in a cache of its own; another layer list on the

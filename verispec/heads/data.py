@@ -396,9 +396,11 @@ class HiddenStore:
         hidden_size: int,
         *,
         quantization: str = "none",
+        lm_head: str = "float",
     ) -> None:
         """Append ``examples`` (hidden states still to be computed; :meth:`fill` does that).
-        ``quantization``: the target's, recorded by a new store (its hidden states depend on it).
+        ``quantization``: the target's, recorded by a new store (its hidden states depend on it);
+        ``lm_head``: the kind of its LM head (:func:`lm_head_kind`; the argmaxes depend on it).
 
         The grown arrays are written beside the store with the cached part copied in, then swapped in
         by renaming folders, so an interruption leaves the old store or the new one, never a mix.
@@ -453,6 +455,7 @@ class HiddenStore:
         meta = self.meta or {
             "target": identity.to_dict(),
             "quantization": quantization,
+            "lm_head": lm_head,
             "data": {k: v for k, v in spec.to_dict().items() if k != "max_tokens"},
             "done": 0,
             "seconds": 0.0,
@@ -480,6 +483,41 @@ class HiddenStore:
         if old_folder.exists():
             shutil.rmtree(old_folder)
         self.meta = json.loads(text)
+
+    @property
+    def lm_head(self) -> str:
+        """The kind of LM head its argmaxes are from (stores made before it was kept: the int8 head
+        the quantized paths all had then)."""
+        default = "int8" if self.meta.get("quantization") in ("int8", "int4") else "float"
+        return str(self.meta.get("lm_head", default))
+
+    def recompute_argmax(self, target: Any, *, progress: bool = True) -> None:
+        """The filled sequences' argmaxes again, through ``target``'s LM head, from the states kept.
+
+        Why: the int4 path's LM head became int4 on AVX2 CPUs (session 35), and a store filled beside
+        the int8 one would mix two targets' greedy tokens (in accuracies, ``--labels target``, and
+        the states ``verispec distill --keep-hidden`` adds). The states are float16 here, so at a
+        near-tie the token may differ from the one the engine picked from the float32 row."""
+        from tqdm import tqdm
+
+        starts, filled = self.array("starts"), self.filled()
+        hidden, argmax = self.array("hidden"), self.array("argmax", "r+")
+        lengths = np.diff(np.asarray(starts))
+        head = lm_head_kind(target)
+        bar = tqdm(
+            total=int(lengths[filled].sum()), unit="tok", desc=f"argmax under the {head} LM head",
+            disable=not progress,
+        )  # fmt: skip
+        for s in np.flatnonzero(filled):
+            a, b = int(starts[s]), int(starts[s + 1])
+            rows = torch.from_numpy(np.asarray(hidden[a:b], dtype=np.float32))
+            argmax[a:b] = lm_head_argmax(target, rows).numpy()
+            bar.update(b - a)
+        bar.close()
+        argmax.flush()
+        del argmax
+        self.meta["lm_head"] = head
+        self._write_meta()
 
     def filled(self) -> np.ndarray:
         """``[S]`` bool: which sequences hold their hidden states (stores made before the mask was
@@ -724,7 +762,10 @@ def prepare_store(
             raise VerispecError(f"no training text found in the sources {', '.join(spec.sources)}")
         if examples:
             quantization = quantization_of(target)
-            store.extend(examples, cursor, identity, spec, target.hidden_size, quantization=quantization)
+            store.extend(
+                examples, cursor, identity, spec, target.hidden_size,
+                quantization=quantization, lm_head=lm_head_kind(target),
+            )  # fmt: skip
         if store.tokens < spec.max_tokens:
             print(f"the data sources ran out at {store.tokens} of {spec.max_tokens} tokens", file=sys.stderr)
     if not store.complete:
@@ -734,6 +775,17 @@ def prepare_store(
 
 def quantization_of(target: Any) -> str:
     return str(getattr(target, "quantization", "none"))
+
+
+def lm_head_kind(target: Any) -> str:
+    """``int4``, ``int8`` or ``float``: the target's LM head (the int4 path's depends on the CPU)."""
+    from verispec.models.int4 import Int4Linear
+    from verispec.models.quant import RowwiseInt8Linear
+
+    head = getattr(target, "lm_head", None)
+    return (
+        "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, RowwiseInt8Linear) else "float"
+    )
 
 
 def default_store_dir(target: Any, identity: TargetIdentity, spec: DataSpec) -> Path:
@@ -770,6 +822,8 @@ def open_store(
         )
     if spec.feature_layers and hasattr(target, "check_feature_layers"):
         target.check_feature_layers(spec.feature_layers)
+    if store.meta and store.lm_head != lm_head_kind(target):
+        store.recompute_argmax(target)
     if spec.distilled is not None:
         from verispec.heads.distill import check_file, read_records
 

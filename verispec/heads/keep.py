@@ -37,6 +37,7 @@ from verispec.heads.data import (
     HiddenStore,
     build_examples,
     lm_head_argmax,
+    lm_head_kind,
     open_store,
     quantization_of,
 )
@@ -115,6 +116,7 @@ class StoreKeeper:
             self.spec,
             self.target.hidden_size,
             quantization=quantization_of(self.target),
+            lm_head=lm_head_kind(self.target),
         )
         rows = {}
         for i, example in enumerate(examples):
