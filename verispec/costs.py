@@ -343,10 +343,11 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
     def one(m: CausalLM) -> str:
         quant = getattr(m, "quantization", "none")
         if quant == "int4":
-            from verispec.models.int4 import Int4Linear, kernel_key
+            from verispec.models.int4 import kernel_key
+            from verispec.models.quant import lm_head_kind
 
             quant = f"int4{kernel_key()[:8]}"
-            if isinstance(getattr(m, "lm_head", None), Int4Linear):
+            if lm_head_kind(m) == "int4":
                 quant += "-h4"  # an int4 LM head: its rows cost other than the int8 head's
         if quant != "none" and _runs_amx(m):
             quant += "-amx"  # the AMX kernels price a verified row at a fraction of the others'

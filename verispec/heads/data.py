@@ -40,6 +40,7 @@ import torch
 
 from verispec.errors import VerispecError
 from verispec.heads.identity import TargetIdentity
+from verispec.models.quant import lm_head_kind
 
 SOURCES: tuple[str, ...] = ("sharegpt", "stdlib", "distilled")
 DEFAULT_SOURCES: tuple[str, ...] = ("sharegpt", "stdlib")
@@ -400,7 +401,8 @@ class HiddenStore:
     ) -> None:
         """Append ``examples`` (hidden states still to be computed; :meth:`fill` does that).
         ``quantization``: the target's, recorded by a new store (its hidden states depend on it);
-        ``lm_head``: the kind of its LM head (:func:`lm_head_kind`; the argmaxes depend on it).
+        ``lm_head``: the kind of its LM head (:func:`~verispec.models.quant.lm_head_kind`; the argmaxes
+        depend on it).
 
         The grown arrays are written beside the store with the cached part copied in, then swapped in
         by renaming folders, so an interruption leaves the old store or the new one, never a mix.
@@ -777,17 +779,6 @@ def quantization_of(target: Any) -> str:
     return str(getattr(target, "quantization", "none"))
 
 
-def lm_head_kind(target: Any) -> str:
-    """``int4``, ``int8`` or ``float``: the target's LM head (the int4 path's depends on the CPU)."""
-    from verispec.models.int4 import Int4Linear
-    from verispec.models.quant import RowwiseInt8Linear
-
-    head = getattr(target, "lm_head", None)
-    return (
-        "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, RowwiseInt8Linear) else "float"
-    )
-
-
 def default_store_dir(target: Any, identity: TargetIdentity, spec: DataSpec) -> Path:
     """Where a store of ``spec``'s data for ``target`` lives unless ``--cache-dir`` says otherwise."""
     from verispec.models.registry import cache_root
@@ -801,7 +792,8 @@ def open_store(
 ) -> HiddenStore:
     """The store of ``spec``'s data for ``target`` (empty if new), refused where it holds another
     model's states, another quantization's or other feature layers, or where the distilled file holds
-    another model's replies: all before any work."""
+    another model's replies: all before any work. Where it was made beside another kind of LM head,
+    its argmaxes are recomputed (:meth:`HiddenStore.recompute_argmax`)."""
     # The int8 and int4 paths give different hidden states for the same model: heads for one are
     # trained on its own features, so the quantization names the cache and is checked on reuse.
     quantization = quantization_of(target)

@@ -37,11 +37,11 @@ from verispec.heads.data import (
     HiddenStore,
     build_examples,
     lm_head_argmax,
-    lm_head_kind,
     open_store,
     quantization_of,
 )
 from verispec.heads.identity import TargetIdentity
+from verispec.models.quant import lm_head_kind
 
 
 def request_id(record_id: str) -> str:

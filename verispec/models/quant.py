@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -157,6 +157,17 @@ def _to_amx_int8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     tiles = (n + pad_n) // _AMX_COLS
     w = w.view(tiles, _AMX_COLS, -1, 16, 4).permute(0, 2, 3, 1, 4)  # [tile, chunk, quad, channel, 4]
     return w.reshape(tiles, -1).contiguous(), nn.functional.pad(scales.float(), (0, pad_n)).contiguous()
+
+
+def lm_head_kind(model: Any) -> str:
+    """``int4``, ``int8`` or ``float``: the kind of ``model``'s LM head (on the int4 path it depends
+    on the CPU, :func:`verispec.models.int4.int4_lm_head`); its argmax and its rows' cost follow it."""
+    from verispec.models.int4 import Int4Linear
+
+    head = getattr(model, "lm_head", None)
+    return (
+        "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, RowwiseInt8Linear) else "float"
+    )
 
 
 def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> nn.Module:
