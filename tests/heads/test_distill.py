@@ -15,6 +15,7 @@ from verispec.errors import VerispecError
 from verispec.heads.data import DataSpec, build_examples, distilled_example, prepare_store
 from verispec.heads.distill import (
     JSON_SCHEMAS,
+    LONG_CHARS,
     DistillPrompt,
     distill,
     function_prompts,
@@ -143,8 +144,10 @@ def test_distill_command_refuses_bad_counts_before_loading(capsys, tmp_path):
     assert "--code-per-file must be >= 1" in capsys.readouterr().err
     assert main(["distill", "--out", str(out), "--chat", "0", "--code", "0"]) == 2
     assert "not all 0" in capsys.readouterr().err and not out.exists()
-    assert main(["distill", "--out", str(out), "--json", "-1"]) == 2
-    assert "--json must be >= 0" in capsys.readouterr().err and not out.exists()
+    for flag in ("--json", "--long"):
+        assert main(["distill", "--out", str(out), flag, "-1"]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "must be >= 0" in err and not out.exists()
     assert main(["distill", "--out", str(out), "--cache-dir", str(tmp_path / "s")]) == 2
     assert "--keep-hidden" in capsys.readouterr().err and not out.exists()
 
@@ -166,6 +169,28 @@ def test_sharegpt_prompts_come_from_the_end_of_the_training_order(tmp_path, monk
     trained_texts = {"".join(chr(t) for t in e.ids if t > 31) for e in trained}
     asked = [p.messages[0][1] for p in prompts]
     assert 10 < len(trained) < 40 and not any(q in text for q in asked for text in trained_texts)
+
+
+def test_long_prompts_are_the_first_turns_chat_prompts_skip_and_are_made_again_from_their_ids(
+    tmp_path, monkeypatch
+):
+    """``--long`` takes the first turns too long for ``--chat`` (never the same conversation), from the
+    same end of the training order; a pack's id is enough to make one again, as for a chat prompt."""
+    lengths = [100, 2500, 50, 2001, 3000, 3001, 2999, 10]
+    turns = [[{"from": "human", "value": f"{i}" + "x" * (n - 1)}, {"from": "gpt", "value": "a"}]
+             for i, n in enumerate(lengths)]  # fmt: skip
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps([{"conversations": t} for t in turns]))
+    monkeypatch.setattr("verispec.heads.distill.sharegpt_file", lambda: path)
+    long = sharegpt_prompts(10, chars=LONG_CHARS)
+    chat = sharegpt_prompts(10)
+    assert sorted(sharegpt_index(p.id) for p in long) == [1, 3, 4, 6]
+    assert sorted(sharegpt_index(p.id) for p in chat) == [0, 2]  # 10 characters are too few for either
+    assert [p.id for p in sharegpt_prompts(2, chars=LONG_CHARS)] == [p.id for p in long[:2]]
+    conversations = [[{"role": "user", "content": t[0]["value"]}] for t in turns]
+    for p in long + chat:
+        assert rebuild_prompt(p.id, p.kind, "", lambda i: conversations[i]) == p
+    assert rebuild_prompt("sharegpt:5", "chat", "", lambda i: conversations[i]) is None  # too long for both
 
 
 def test_json_prompts_alternate_questions_and_functions_and_are_made_again_from_their_ids(

@@ -7,6 +7,8 @@ regenerate the replies with the target for this reason. Here:
 
 - chat prompts: the first user turn of ShareGPT conversations, taken from the *end* of the seeded
   order that :mod:`verispec.heads.data` consumes from the start, so the two never share a prompt;
+- long prompts (``--long``): the first turns too long for a chat prompt (:data:`LONG_CHARS`), so
+  that the heads also learn to draft a reply from a long input (summaries, translation, RAG);
 - code prompts: a function's signature and docstring from the standard library (raw completion,
   the way HumanEval prompts are given; never HumanEval itself, nor any ``shared/data`` prompt), or a
   method's, shown inside its class's header (``--code-from methods``);
@@ -54,14 +56,24 @@ class DistillPrompt:
     schema: str = ""
 
 
-def sharegpt_prompts(limit: int, seed: int = 0) -> list[DistillPrompt]:
-    """First user turns of ShareGPT conversations from the end of the seeded order (see module doc)."""
+CHAT_CHARS = (16, 2000)
+"""``--chat`` prompts: first turns of this many characters (a question, a short task)."""
+LONG_CHARS = (2001, 3000)
+"""``--long`` prompts: the first turns ``--chat`` skips for length (an article to summarise, text to
+translate, a passage to answer about, code to review), up to what leaves a reply room in a training
+sequence (3000 characters are ~700 tokens of the 1024 a store keeps). Heads trained only on short
+prompts never learn to draft from a long input, which summaries, RAG and translation lean on."""
+
+
+def sharegpt_prompts(limit: int, seed: int = 0, chars: tuple[int, int] = CHAT_CHARS) -> list[DistillPrompt]:
+    """First user turns of ShareGPT conversations (of ``chars`` characters) from the end of the seeded
+    order (see module doc)."""
     conversations = list(iter_sharegpt(sharegpt_file()))
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)  # the same permutation data.py applies to the same list
     out: list[DistillPrompt] = []
     for i in reversed(order):
-        prompt = sharegpt_prompt(i, conversations[i])
+        prompt = sharegpt_prompt(i, conversations[i], chars)
         if prompt is not None:
             out.append(prompt)
         if len(out) >= limit:
@@ -69,11 +81,13 @@ def sharegpt_prompts(limit: int, seed: int = 0) -> list[DistillPrompt]:
     return out
 
 
-def sharegpt_prompt(index: int, conversation: list[dict[str, str]]) -> DistillPrompt | None:
+def sharegpt_prompt(
+    index: int, conversation: list[dict[str, str]], chars: tuple[int, int] = CHAT_CHARS
+) -> DistillPrompt | None:
     """The prompt ``sharegpt:<index>``: the conversation's first turn where it is a user's of
-    16-2000 characters, else none. Its id is enough to make it again (:mod:`verispec.heads.pack`)."""
+    ``chars`` characters, else none. Its id is enough to make it again (:mod:`verispec.heads.pack`)."""
     first = conversation[0]
-    if first["role"] != "user" or not 16 <= len(first["content"]) <= 2000:
+    if first["role"] != "user" or not chars[0] <= len(first["content"]) <= chars[1]:
         return None
     return DistillPrompt(f"sharegpt:{index}", "chat", messages=(("user", first["content"]),))
 
@@ -185,7 +199,7 @@ def rebuild_prompt(
     found = conversation(index) if index is not None else None
     if found is None:
         return None
-    question = sharegpt_prompt(index, found)
+    question = sharegpt_prompt(index, found, (CHAT_CHARS[0], LONG_CHARS[1]))  # --chat's or --long's
     if question is None:
         return None
     return json_answer_prompt(question) if id.startswith("json-answer:") else question
@@ -375,7 +389,7 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
     p = sub.add_parser(
         "distill",
         help="write the target's own replies, as training data for its heads",
-        description="Answer ShareGPT first turns (chat), standard-library function signatures "
+        description="Answer ShareGPT first turns (chat, and long ones), standard-library function signatures "
         "(raw completion) and JSON-mode prompts greedily with the target, appending the exact token ids "
         "to a JSON-lines file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume.",
     )
@@ -383,6 +397,11 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--out", type=Path, required=True, help="JSON-lines file to append to")
     p.add_argument("--chat", type=int, default=600, help="ShareGPT prompts to answer")
     p.add_argument("--code", type=int, default=400, help="standard-library function prompts to complete")
+    p.add_argument(
+        "--long", type=int, default=0,
+        help=f"long ShareGPT first turns ({LONG_CHARS[0]}-{LONG_CHARS[1]} characters, which --chat skips): "
+        "articles to summarise, text to translate, passages to answer about, code to review",
+    )  # fmt: skip
     p.add_argument(
         "--json", type=int, default=0,
         help="JSON-mode prompts (replies constrained to a schema): ShareGPT questions answered as JSON "
@@ -428,10 +447,10 @@ def run_distill(args: Any) -> int:
     import verispec
     from verispec.heads import pack
 
-    counts = (args.chat, args.code, args.json)
+    counts = (args.chat, args.code, args.json, args.long)
     if min(counts) < 0 or (sum(counts) == 0 and not (args.pack or args.unpack)):
         raise VerispecError(
-            "--chat, --code and --json must be >= 0 and not all 0 (unless packing or unpacking)"
+            "--chat, --code, --json and --long must be >= 0 and not all 0 (unless packing or unpacking)"
         )
     if args.code_per_file < 1:
         raise VerispecError(f"--code-per-file must be >= 1, got {args.code_per_file}")
@@ -442,7 +461,9 @@ def run_distill(args: Any) -> int:
     chat = sharegpt_prompts(args.chat, args.seed) if args.chat else []
     code = stdlib_prompts(args.code, args.seed, args.code_per_file, args.code_from) if args.code else []
     json_mode = json_prompts(args.json, args.seed) if args.json else []
-    prompts = [p for kinds in zip_longest(chat, code, json_mode) for p in kinds if p is not None]  # all early
+    long = sharegpt_prompts(args.long, args.seed, LONG_CHARS) if args.long else []
+    kinds = zip_longest(chat, code, json_mode, long)
+    prompts = [p for each in kinds for p in each if p is not None]  # every kind early
     if prompts or args.unpack is not None:
         engine = verispec.load(
             args.target,
