@@ -9,11 +9,23 @@ import pytest
 
 from verispec.cli import main
 from verispec.errors import VerispecError
-from verispec.heads.distill import DistillPrompt, json_answer_prompt, json_function_prompt, read_records
+from verispec.heads.distill import (
+    LONG_CHARS,
+    DistillPrompt,
+    json_answer_prompt,
+    json_function_prompt,
+    read_records,
+)
 from verispec.heads.identity import TargetIdentity
 from verispec.heads.pack import prompt_hash, read_pack, unpack, write_pack
 
-QUESTIONS = ["What is the capital of France, and why?", "short", "Explain recursion to a child, please."]
+ARTICLE = "Summarise this article:\n\n" + "The quick brown fox jumps over the lazy dog. " * 55
+QUESTIONS = [
+    "What is the capital of France, and why?",
+    "short",
+    "Explain recursion to a child, please.",
+    ARTICLE,
+]
 ME = TargetIdentity("tiny", 100, 8, "a" * 64, ())
 
 
@@ -25,7 +37,7 @@ def encode(prompt: DistillPrompt) -> list[int]:
 
 @pytest.fixture
 def share(tmp_path, monkeypatch):
-    """A three-conversation ShareGPT file in place of the package (CI does not install it)."""
+    """A four-conversation ShareGPT file in place of the package (CI does not install it)."""
     turns = [[{"from": "human", "value": q}, {"from": "gpt", "value": "an answer"}] for q in QUESTIONS]
     path = tmp_path / "share.json"
     path.write_text(json.dumps([{"conversations": t} for t in turns]))
@@ -86,6 +98,25 @@ def test_a_pack_round_trips_to_the_same_records_without_sharegpt_text(tmp_path, 
         return [{k: r[k] for k in keys} for r in rows]
 
     assert fields(read_records(out)) == fields(records())
+
+
+def test_a_long_prompt_is_kept_as_its_id_and_made_again_as_a_chat_prompt_is(tmp_path, share):
+    """``--long`` prompts (first turns too long for ``--chat``) keep ids of the same kind."""
+    assert LONG_CHARS[0] <= len(ARTICLE) <= LONG_CHARS[1]
+    long = DistillPrompt("sharegpt:3", "chat", messages=(("user", ARTICLE),))
+    row = {
+        **records()[0],
+        "id": long.id,
+        "messages": [list(m) for m in long.messages],
+        "prompt_ids": encode(long),
+    }
+    pack = tmp_path / "p.gz"
+    assert write_pack([row], pack) == 1
+    assert "quick brown fox" not in gzip.decompress(pack.read_bytes()).decode()
+    out = tmp_path / "d.jsonl"
+    assert unpack(pack, out, ME, encode) == 1
+    (made,) = read_records(out)
+    assert made["messages"] == row["messages"] and made["prompt_ids"] == row["prompt_ids"]
 
 
 def test_pack_bytes_depend_only_on_the_records(tmp_path):
