@@ -237,6 +237,17 @@ def test_a_cut_off_last_line_is_dropped(tmp_path):
     assert read_records(tmp_path / "missing.jsonl") == []
 
 
+def test_unicode_line_separators_stay_inside_their_record(tmp_path):
+    path = tmp_path / "d.jsonl"
+    odd = {"id": "odd", "kind": "chat", "messages": [["user", "a\u2028b\u2029c\x85d\x1ce\rf"]],
+           "prompt_ids": [1], "completion_ids": [2]}  # fmt: skip
+    with path.open("w", encoding="utf-8") as f:  # as distill() writes them
+        for record in (odd, {**odd, "id": "next"}):
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    assert [r["id"] for r in read_records(path)] == ["odd", "next"]
+    assert read_records(path)[0]["messages"] == odd["messages"]
+
+
 def test_the_distilled_source_needs_its_file():
     with pytest.raises(VerispecError, match="go together"):
         DataSpec(sources=("distilled",))

@@ -282,11 +282,15 @@ def stdlib_prompts(
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a distillation file; a line cut off by an interruption is dropped."""
+    """The records of a distillation file; a line cut off by an interruption is dropped.
+
+    Lines end at ``\\n`` only: records are written with ``ensure_ascii=False``, so a prompt's U+2028
+    (LINE SEPARATOR) or U+0085 stays raw inside its line, where ``str.splitlines`` would cut it and the
+    record would be lost: answered, then never trained on, packed or seen as done."""
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8").split("\n"):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
