@@ -197,6 +197,49 @@ def test_the_policy_floor_stops_expansion_like_expand_min_prob(tiny_target, monk
     assert depths == {-math.inf: (5, 4), 0.0: (1, 0)}
 
 
+def _paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+    """Each node's token path from the root, with its score."""
+    assert tree.scores is not None
+    tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tokens, parents, strict=True):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    return dict(zip(paths, scores, strict=True))
+
+
+def test_within_a_level_only_nodes_at_the_policy_floor_are_expanded(tiny_target, monkeypatch):
+    """Of a level's ``width`` best nodes, those below ``min_logp`` get no children (theirs could only
+    score lower): fewer drafter rows, and every node at or above the floor is still drafted, with
+    the same path and score as without the floor."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    ids = [5, 17, 42, 8, 9]
+    hidden = tiny_target.forward(
+        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
+    ).hidden[0]
+    proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=3, expand_min_prob=0.0)
+    state = proposer.new_state(ids, SamplingConfig())
+    proposer.prefill(state, hidden)
+    proposer.propose(state, ids, 1)  # catch up on the prompt first
+    rows: list[int] = []  # drafter rows per pass
+    real = drafter.step
+    monkeypatch.setattr(drafter, "step", lambda embeds, *a: (rows.append(len(embeds)), real(embeds, *a))[1])
+    (whole,) = proposer.propose_batch([state], [ids], [3])
+    whole_rows = sum(rows)
+    first = sorted((s for p, s in _paths(whole).items() if len(p) == 1), reverse=True)
+    assert first[0] > first[-1]  # a floor between them cuts inside the level
+    floor = (first[0] + first[-1]) / 2
+    rows.clear()
+    (cut,) = proposer.propose_batch([state], [ids], [3], min_logp=floor)
+    assert isinstance(cut, DraftTree)
+    got, want = _paths(cut), _paths(whole)
+    kept = {p: s for p, s in want.items() if s >= floor}
+    assert set(kept) <= set(got)
+    assert all(got[p] == pytest.approx(s, abs=1e-4) for p, s in kept.items())
+    parents = {p[:-1] for p in got if len(p) > 1}
+    assert all(want[p] >= floor for p in parents)  # nothing below the floor was expanded
+    assert 0 < sum(rows) < whole_rows
+
+
 def test_the_engine_skips_drafting_when_no_node_could_pay(tiny_target, monkeypatch):
     """Where every verify token costs more than a plain step, no node is worth verifying: the
     engine does not ask the drafter at all (and decodes plainly); where verifying is nearly free

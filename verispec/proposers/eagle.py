@@ -16,7 +16,9 @@ Per sequence the drafter keeps a KV cache of its true-feature pairs ``(h_j, x_{j
    accepted), while every expansion is one more drafter pass; stop too below the engine's
    ``min_logp``, the policy's floor for this step (on the 1.5B int4 path a second verify token
    costs ~20% of a step, so it keeps one node in most steps: the floor saved ~2 of ~7 ms of
-   drafting per step at the same accepted length, NOTES.md session 14);
+   drafting per step at the same accepted length, NOTES.md session 14), and within a level expand
+   only the nodes at or above that floor, so that a wide tree budget (EAGLE-2's 60 tokens, for
+   hardware where verify rows are nearly free) costs little drafting where they are not;
 3. rerank: keep the ``nodes`` best-scoring nodes of everything expanded, at most k deep.
 
 A batch drafts together (:meth:`EagleProposer.propose_batch`): one catch-up pass for all sequences
@@ -138,7 +140,10 @@ class EagleProposer(HeadsProposer):
         (and one catch-up pass): the drafter's and the LM head's weights are read once per level
         for the batch instead of once per sequence, which is what a level costs at small row counts.
         A level is expanded only while its best node scores at least ``expand_min_prob`` and
-        ``min_logp`` (the policy's floor: children of a node below it cannot be kept either).
+        ``min_logp`` (the policy's floor: children of a node below it cannot be kept either), and of
+        its ``width`` best nodes only those at ``min_logp`` or above: with a wide tree budget on
+        hardware where a verify row is dear, most of them are below it, and each would cost a
+        drafter row for children the policy drops (the fixed policy has no floor: unchanged).
         """
         floor = max(self.expand_min_logp, min_logp)
         self._catch_up(states, token_ids)
@@ -154,7 +159,8 @@ class EagleProposer(HeadsProposer):
             expanding = []
             for t in live:
                 if depth < t.k:
-                    chosen = sorted(t.level, key=lambda n, t=t: -t.scores[n])[: self.width]
+                    best = sorted(t.level, key=lambda n, t=t: -t.scores[n])[: self.width]
+                    chosen = [n for n in best if t.scores[n] >= min_logp]  # its children: below too
                     if chosen and t.scores[chosen[0]] >= floor:
                         expanding.append((t, chosen))
             if not expanding:
