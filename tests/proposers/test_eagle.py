@@ -33,7 +33,7 @@ from verispec.heads.io import save_heads
 from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import build_proposer
-from verispec.proposers.eagle import EagleProposer
+from verispec.proposers.eagle import EagleProposer, EagleState
 from verispec.verify.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -174,19 +174,26 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target, monkeypatch)
     assert shapes[1.0][0] <= shapes[0.3][0] <= shapes[0.0][0]
 
 
+def caught_up(model: HFCausalLM, width: int) -> tuple[EagleDrafter, EagleProposer, EagleState, list[int]]:
+    """A trained drafter's proposer (40 nodes, no ``expand_min_prob``) and a state caught up on a
+    prompt, ready to draft trees from it (again and again: drafting leaves the state as it was)."""
+    drafter, _, _ = trained(model, "eagle")
+    ids = [5, 17, 42, 8, 9]
+    hidden = model.forward(
+        torch.tensor([ids[:-1]]), model.new_cache(), logits_to_keep=0, return_hidden=True
+    ).hidden[0]
+    proposer = eagle_proposer(model, drafter, nodes=40, width=width, expand_min_prob=0.0)
+    state = proposer.new_state(ids, SamplingConfig())
+    proposer.prefill(state, hidden)
+    proposer.propose(state, ids, 1)  # catch up on the prompt first
+    return drafter, proposer, state, ids
+
+
 def test_the_policy_floor_stops_expansion_like_expand_min_prob(tiny_target, monkeypatch):
     """``min_logp`` (the depth policy's floor) cuts expansion as ``expand_min_prob`` does: a level
     whose best node is below it is not expanded, so no drafter pass is spent on children the
     policy could not keep."""
-    drafter, _, _ = trained(tiny_target, "eagle")
-    ids = [5, 17, 42, 8, 9]
-    hidden = tiny_target.forward(
-        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
-    ).hidden[0]
-    proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=2, expand_min_prob=0.0)
-    state = proposer.new_state(ids, SamplingConfig())
-    proposer.prefill(state, hidden)
-    proposer.propose(state, ids, 1)  # catch up on the prompt first
+    drafter, proposer, state, ids = caught_up(tiny_target, width=2)
     calls = count_passes(drafter, monkeypatch)
     depths = {}
     for floor in (-math.inf, 0.0):
@@ -211,15 +218,7 @@ def test_within_a_level_only_nodes_at_the_policy_floor_are_expanded(tiny_target,
     """Of a level's ``width`` best nodes, those below ``min_logp`` get no children (theirs could only
     score lower): fewer drafter rows, and every node at or above the floor is still drafted, with
     the same path and score as without the floor."""
-    drafter, _, _ = trained(tiny_target, "eagle")
-    ids = [5, 17, 42, 8, 9]
-    hidden = tiny_target.forward(
-        torch.tensor([ids[:-1]]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
-    ).hidden[0]
-    proposer = eagle_proposer(tiny_target, drafter, nodes=40, width=3, expand_min_prob=0.0)
-    state = proposer.new_state(ids, SamplingConfig())
-    proposer.prefill(state, hidden)
-    proposer.propose(state, ids, 1)  # catch up on the prompt first
+    drafter, proposer, state, ids = caught_up(tiny_target, width=3)
     rows: list[int] = []  # drafter rows per pass
     real = drafter.step
     monkeypatch.setattr(drafter, "step", lambda embeds, *a: (rows.append(len(embeds)), real(embeds, *a))[1])

@@ -17,8 +17,9 @@ Per sequence the drafter keeps a KV cache of its true-feature pairs ``(h_j, x_{j
    ``min_logp``, the policy's floor for this step (on the 1.5B int4 path a second verify token
    costs ~20% of a step, so it keeps one node in most steps: the floor saved ~2 of ~7 ms of
    drafting per step at the same accepted length, NOTES.md session 14), and within a level expand
-   only the nodes at or above that floor, so that a wide tree budget (EAGLE-2's 60 tokens, for
-   hardware where verify rows are nearly free) costs little drafting where they are not;
+   only the nodes at or above that floor (the same 16-node budget: 8.2 -> 6.5 ms of drafting per
+   step, NOTES.md session 39), so that a wide budget (EAGLE-2's 60 tokens, for hardware where
+   verify rows are nearly free) costs little drafting where they are not;
 3. rerank: keep the ``nodes`` best-scoring nodes of everything expanded, at most k deep.
 
 A batch drafts together (:meth:`EagleProposer.propose_batch`): one catch-up pass for all sequences
