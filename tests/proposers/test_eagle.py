@@ -137,10 +137,13 @@ def test_trees_stay_within_k_nodes_and_width(tiny_target):
 
 
 def count_passes(drafter: EagleDrafter, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that gets an entry per drafting pass (:meth:`EagleDrafter.step` call) of ``drafter``."""
+    """A list that gets an entry per drafting pass (:meth:`EagleDrafter.step` call) of ``drafter``:
+    the pass's row count."""
     calls: list[int] = []
     real = drafter.step
-    monkeypatch.setattr(drafter, "step", lambda *args: (calls.append(1), real(*args))[1])
+    monkeypatch.setattr(
+        drafter, "step", lambda embeds, *args: (calls.append(len(embeds)), real(embeds, *args))[1]
+    )
     return calls
 
 
@@ -219,9 +222,7 @@ def test_within_a_level_only_nodes_at_the_policy_floor_are_expanded(tiny_target,
     score lower): fewer drafter rows, and every node at or above the floor is still drafted, with
     the same path and score as without the floor."""
     drafter, proposer, state, ids = caught_up(tiny_target, width=3)
-    rows: list[int] = []  # drafter rows per pass
-    real = drafter.step
-    monkeypatch.setattr(drafter, "step", lambda embeds, *a: (rows.append(len(embeds)), real(embeds, *a))[1])
+    rows = count_passes(drafter, monkeypatch)
     (whole,) = proposer.propose_batch([state], [ids], [3])
     whole_rows = sum(rows)
     first = sorted((s for p, s in _paths(whole).items() if len(p) == 1), reverse=True)

@@ -160,8 +160,8 @@ class EagleProposer(HeadsProposer):
             expanding = []
             for t in live:
                 if depth < t.k:
-                    best = sorted(t.level, key=lambda n, t=t: -t.scores[n])[: self.width]
-                    chosen = [n for n in best if t.scores[n] >= min_logp]  # its children: below too
+                    above = [n for n in t.level if t.scores[n] >= min_logp]  # children score lower
+                    chosen = sorted(above, key=lambda n, t=t: -t.scores[n])[: self.width]
                     if chosen and t.scores[chosen[0]] >= floor:
                         expanding.append((t, chosen))
             if not expanding:
