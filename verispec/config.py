@@ -17,6 +17,13 @@ Method = Literal["draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngr
 
 METHODS: tuple[str, ...] = ("draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngram")
 
+AUTO = "auto"
+"""The method asked for when none is named: :func:`verispec.api.default_method` picks one per target."""
+PLAIN = "none"
+"""The method name of plain decoding (no proposer)."""
+MethodChoice = Method | Literal["auto", "none"]
+"""What a caller may ask for: a method, ``"none"`` (plain decoding) or ``"auto"`` (none named)."""
+
 Acceptance = Literal["exact", "typical"]
 ACCEPTANCES: tuple[str, ...] = ("exact", "typical")
 
@@ -115,6 +122,16 @@ class SpecConfig:
     target finds it plausible enough, so the output no longer follows the target's distribution
     (see verispec.verify.typical). Greedy decoding is exact either way."""
 
+    def describe(self, *, by_default: bool = False) -> str:
+        """The method and depth in a few words, for a summary or start-up line (``by_default``: the
+        method was not named but chosen for the target)."""
+        if self.method is None:
+            return f"method {PLAIN} (plain decoding)"
+        chosen = " (default)" if by_default else ""
+        k = self.num_speculative_tokens
+        depth = f"adaptive depth up to k={k}" if self.depth == "adaptive" else f"fixed k={k}"
+        return f"method {self.method}{chosen}, {depth}"
+
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCES:
             raise VerispecError(f"acceptance must be exact or typical, got {self.acceptance!r}")
@@ -145,15 +162,19 @@ class ModelLoadConfig:
     """Compute dtype; GGUF weights are de-quantized into it."""
     threads: int | None = None
     """CPU threads for PyTorch; None keeps PyTorch's default."""
-    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
-    """Weight quantization at load: 'auto' = int8 on CPU (prepacked fbgemm kernels), none on CUDA;
-    'int4' = 4-bit weights with verispec's own kernel (AVX-512 VNNI or AVX2; LM head int8)."""
+    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
+    """Weight quantization at load: 'auto' = a GGUF model's own blocks on CPU where the GGUF kernel
+    has a vector build, else int8 on CPU (prepacked fbgemm kernels), none on CUDA;
+    'int4' = 4-bit weights with verispec's own kernel (AVX-512 VNNI or AVX2; LM head int8);
+    'gguf' = a GGUF model's own blocks, as the file stores them (see verispec.models.gguf_native)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise VerispecError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise VerispecError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
+            raise VerispecError(
+                f"quantization must be auto, none, int8, int4 or gguf, got {self.quantization!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise VerispecError(f"threads must be >= 1, got {self.threads}")
 

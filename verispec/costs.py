@@ -349,6 +349,10 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
             quant = f"int4{kernel_key()[:8]}"
             if lm_head_kind(m) == "int4":
                 quant += "-h4"  # an int4 LM head: its rows cost other than the int8 head's
+        if quant == "gguf":
+            from verispec.models.gguf_linear import kernel_key as gguf_kernel_key
+
+            quant = f"gguf{gguf_kernel_key()[:8]}"
         if quant != "none" and _runs_amx(m):
             quant += "-amx"  # the AMX kernels price a verified row at a fraction of the others'
         params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0

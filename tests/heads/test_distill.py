@@ -321,7 +321,7 @@ def test_distill_writes_the_targets_greedy_replies_and_resumes(
     kinds = [("chat", ""), ("chat", ""), ("chat", "answer"), ("chat", "function"), ("text", ""), ("text", "")]
     assert sorted((r["kind"], r["schema"]) for r in records) == kinds
     assert {r["target"] for r in records} == {"smollm2-135m-instruct"}
-    plain = verispec.load("smollm2-135m-instruct", threads=2)
+    plain = verispec.load("smollm2-135m-instruct", method="none", threads=2)
     for r in records:
         grammar = Structured("json", JSON_SCHEMAS[r["schema"]]) if r["schema"] else None
         gen = plain.generate(r["prompt_ids"], max_new_tokens=24, structured=grammar)

@@ -197,7 +197,7 @@ def test_distill_keep_hidden_fills_the_store_train_opens(
 
     import verispec
 
-    target = verispec.load("smollm2-135m-instruct", threads=2).target
+    target = verispec.load("smollm2-135m-instruct", method="none", threads=2).target
     identity = identify(target)
     spec = DataSpec(max_tokens=10_000, sources=("distilled",), distilled=str(out.resolve()))
     reference = prepare_store(target, identity, spec, passed, progress=False)  # a store pass over all 6

@@ -75,11 +75,13 @@ def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
     assert not cap_malloc_arenas()
 
 
-def test_serves_until_interrupted(model_folder, tmp_path):
+def test_serves_with_speculation_by_default_until_interrupted(model_folder, tmp_path, flat_costs):
+    """No method named: the server speculates (prompt lookup here, no heads being shipped for this
+    model) under the adaptive depth policy, and a request may still turn speculation off."""
     env = {**os.environ, "VERISPEC_CACHE": str(tmp_path / "cache")}
     command = [
         sys.executable, "-m", "verispec.cli", "serve", "--target", str(model_folder), "--port", "0",
-        "--method", "ngram", "--depth-policy", "fixed", "--quantization", "none", "--threads", "1",
+        "--costs", str(flat_costs), "--quantization", "none", "--threads", "1",
         "--served-model-name", "tiny-chat", "--log-level", "warning",
     ]  # fmt: skip
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -88,6 +90,7 @@ def test_serves_until_interrupted(model_folder, tmp_path):
         line = proc.stderr.readline()  # the first line says where it serves
         match = re.search(r"serving tiny-chat at (http://\S+) ", line)
         assert match, line
+        assert "method ngram, adaptive depth up to k=5" in line
         url = match.group(1)
         deadline = time.monotonic() + 60
         while True:
@@ -100,6 +103,18 @@ def test_serves_until_interrupted(model_folder, tmp_path):
             time.sleep(0.1)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]["verispec"]
+        assert card["method"] == "ngram" and card["depth_policy"] == "adaptive"
+        prompt = "hello world hello world hello world hello world"  # lookup has a continuation at once
+        spec, plain = (
+            client.completions.create(
+                model="tiny-chat", prompt=prompt, max_tokens=12, extra_body={"speculation": {"enabled": on}}
+            )
+            for on in (True, False)
+        )
+        assert spec.model_extra["verispec"]["stats"]["drafted"] > 0
+        assert plain.model_extra["verispec"]["stats"]["drafted"] == 0
+        assert spec.choices[0].text == plain.choices[0].text
         reply = client.chat.completions.create(
             model="tiny-chat", messages=[{"role": "user", "content": "hello"}], max_tokens=6
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shlex
 import sys
 import textwrap
@@ -116,7 +117,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "and measure only the rest",
     )
 
-    steps = bench.add_subparsers(dest="bench_command", metavar="{forward,plan,quality,serve,soak}")
+    steps = bench.add_subparsers(dest="bench_command", metavar="{forward,load,plan,quality,serve,soak}")
     forward = steps.add_parser(
         "forward",
         help="time one forward pass appending k tokens to a KV cache (the verify-cost curve)",
@@ -132,23 +133,62 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     add_plan_parser(steps)
     quality = steps.add_parser(
         "quality",
-        help="what int8 costs against float32: greedy agreement and perplexity change",
-        description="Teacher-forced comparison of the quantized and the float32 model: agreement of their "
-        "greedy next tokens over HumanEval prompts with their reference solutions, and perplexity on a "
-        "held-out text (a Python standard-library module's source). Writes quality.json to --out.",
+        help="what verispec's weights cost: against float32 (default) or against llama.cpp on the same GGUF",
+        description="--reference float32 (default): teacher-forced comparison of the quantized and the "
+        "float32 model: agreement of their greedy next tokens over HumanEval prompts with their reference "
+        "solutions, and perplexity on a held-out text (a Python standard-library module's source). "
+        "--reference llamacpp: llama.cpp (llama-cpp-python) writes greedy replies from the GGUF the "
+        "target comes from, and both it and verispec's model teacher-force them over the same token ids: "
+        "the share of reply positions where verispec's top token is llama.cpp's, and both perplexities "
+        "of the replies. Writes quality.json to --out.",
     )
     quality.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
-    quality.add_argument("--quantization", default="int8", choices=["int8", "int4"])
-    quality.add_argument("--limit", type=int, default=20, help="HumanEval prompts")
+    quality.add_argument(
+        "--reference",
+        default="float32",
+        choices=["float32", "llamacpp"],
+        help="what verispec's model is compared with: the same weights in float32, or llama.cpp "
+        "running the target's GGUF (needs verispec[llamacpp])",
+    )
+    quality.add_argument(
+        "--quantization",
+        default="int8",
+        choices=list(QUANTIZATIONS),
+        help="verispec's weights under test (as --quantization of `verispec serve`)",
+    )
+    quality.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="float32: HumanEval prompts (default 20); llamacpp: prompts per dataset, spread over its "
+        "categories (default 10)",
+    )
+    quality.add_argument(
+        "--dataset",
+        type=_csv,
+        default=None,
+        help=f"llamacpp only: comma list of {', '.join(DATASETS)} (default humaneval,spec_bench; a chat "
+        "prompt's first turn is sent through the chat template)",
+    )
+    quality.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="llamacpp only: tokens of each llama.cpp reply (default 96)",
+    )
     quality.add_argument("--threads", type=int, default=None)
     quality.add_argument(
-        "--data-dir", type=Path, default=None, help="folder holding humaneval/ (default ../shared/data)"
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="folder holding humaneval/ (and spec_bench/) (default ../shared/data)",
     )
     quality.add_argument(
         "--out", type=Path, default=Path("results"), help="output folder (created if needed)"
     )
     _add_serve_parser(steps, default_target)
     _add_soak_parser(steps, default_target)
+    _add_load_parser(steps)
 
 
 def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, out: str) -> None:
@@ -189,6 +229,48 @@ def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, ou
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for the server's /health"
     )
     parser.add_argument("--out", type=Path, default=Path(out), help="output folder (created if needed)")
+
+
+def _add_load_parser(sub: argparse._SubParsersAction) -> None:
+    load = sub.add_parser(
+        "load",
+        help="peak memory, load time and the verify-cost curve of a GGUF, through verispec and llama.cpp",
+        description="Each side (verispec; llama.cpp where llama-cpp-python is installed) runs in a fresh "
+        "process of its own, one after the other, with the same threads: peak RSS of that process, load "
+        "time, the first forward over --context tokens, and the median time of one forward appending k "
+        "tokens to a --context-token cache. The file is read once first, so neither side's load time "
+        "includes the disk. Prints a table and writes load.json (and each side's log) to --out.",
+    )
+    load.add_argument("--target", type=Path, default=None, help=".gguf file to load")
+    load.add_argument(
+        "--build-llama-8b",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="first write a random-weight GGUF with Llama-3.1-8B's shapes in Q4_K_M's type mix to PATH "
+        "(4.9 GB; skipped if PATH exists), and use it as --target",
+    )
+    load.add_argument(
+        "--sides", type=_csv, default=["verispec", "llama.cpp"], help="comma list of verispec, llama.cpp"
+    )
+    load.add_argument(
+        "--quantization",
+        default="gguf",
+        choices=list(QUANTIZATIONS),
+        help="verispec's weights (default gguf: the file's own blocks)",
+    )
+    load.add_argument(
+        "--threads", type=int, default=None, help="CPU threads of both sides (default: all cores)"
+    )
+    load.add_argument("--ks", type=_ints, default=[1, 2, 4, 8, 16], help="comma list of k")
+    load.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
+    load.add_argument("--repeats", type=int, default=5, help="timed forwards per k (the median is reported)")
+    load.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds one side may take before it is killed"
+    )
+    load.add_argument(
+        "--out", type=Path, default=Path("results/load"), help="output folder (created if needed)"
+    )
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
@@ -298,6 +380,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
         return _serve(args, command)
     if getattr(args, "bench_command", None) == "soak":
         return _soak(args, command)
+    if getattr(args, "bench_command", None) == "load":
+        return _load(args, command)
     return _bench(args, command)
 
 
@@ -354,17 +438,46 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _quality(args: argparse.Namespace, command: str) -> int:
+    if args.reference == "llamacpp":
+        return _quality_llamacpp(args, command)
+    llamacpp_flags = {"--dataset": args.dataset, "--max-new-tokens": args.max_new_tokens}
+    given = [flag for flag, value in llamacpp_flags.items() if value is not None]
+    if given:  # refused rather than ignored: the float32 comparison has no replies to choose
+        raise VerispecError(f"{' and '.join(given)} go with --reference llamacpp only")
     from verispec.bench.quality import measure_quality
 
     report = measure_quality(
-        args.target, args.quantization, limit=args.limit, threads=args.threads, data_dir=args.data_dir
+        args.target,
+        args.quantization,
+        limit=20 if args.limit is None else args.limit,
+        threads=args.threads,
+        data_dir=args.data_dir,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quality.json").write_text(
-        json.dumps({"command": command, **report.to_dict()}, indent=1) + "\n"
-    )
+    _write_quality(args.out, {"command": command, "reference": "float32", **report.to_dict()})
     print(report.summary())
     return 0
+
+
+def _quality_llamacpp(args: argparse.Namespace, command: str) -> int:
+    from verispec.bench import quality_llamacpp as q
+
+    report = q.measure_against_llamacpp(
+        args.target,
+        args.quantization,
+        datasets=args.dataset or q.DEFAULT_DATASETS,
+        limit=10 if args.limit is None else args.limit,
+        max_new_tokens=q.DEFAULT_MAX_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens,
+        threads=args.threads,
+        data_dir=args.data_dir,
+    )
+    _write_quality(args.out, {"command": command, **report.to_dict()})
+    print(report.summary())
+    return 0
+
+
+def _write_quality(out: Path, report: dict[str, object]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
 def _need_http_client() -> None:
@@ -527,6 +640,48 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         print(f"resumed: {run.resumed} generation(s) came from {args.out / 'records.jsonl'}", file=sys.stderr)
     print(f"wrote {results}, {report} and {len(plots)} plots", file=sys.stderr)
     return 0
+
+
+def _load(args: argparse.Namespace, command: str) -> int:
+    from verispec.bench import model_load as m
+    from verispec.bench import synthetic_gguf
+
+    target = args.target or args.build_llama_8b
+    if target is None:
+        raise VerispecError("bench load needs --target FILE.gguf or --build-llama-8b PATH")
+    if args.build_llama_8b is not None:
+        if args.target is not None and args.target.resolve() != args.build_llama_8b.resolve():
+            raise VerispecError(
+                "--build-llama-8b writes the target: leave out --target or give the same path"
+            )
+        if not args.build_llama_8b.exists():
+            size = synthetic_gguf.file_size(synthetic_gguf.LLAMA_3_1_8B) / 1e9
+            print(f"writing {args.build_llama_8b} ({size:.1f} GB, random weights) ...", file=sys.stderr)
+            synthetic_gguf.write_llama_gguf(args.build_llama_8b, shape=synthetic_gguf.LLAMA_3_1_8B)
+    if not target.is_file():
+        raise VerispecError(f"{target} is not a file")
+    settings = m.LoadBenchSettings(
+        target=target.resolve(),
+        threads=args.threads or os.cpu_count() or 1,
+        context=args.context,
+        ks=tuple(args.ks),
+        repeats=args.repeats,
+        quantization=args.quantization,
+        sides=tuple(args.sides),
+        timeout=args.timeout,
+    )
+    sides, warm = m.run_load_bench(settings, args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "load.json"
+    path.write_text(json.dumps(m.results_dict(settings, sides, command, warm), indent=1) + "\n")
+    print(f"{settings.target.name}, {settings.threads} threads, k tokens appended to {settings.context}")
+    print(m.load_table(sides))
+    costs = m.cost_table(sides)
+    if costs is not None:
+        print()
+        print(costs)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(side.status != "failed" for side in sides) else 1
 
 
 def _forward(args: argparse.Namespace, command: str) -> int:

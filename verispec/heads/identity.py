@@ -86,17 +86,30 @@ def identify(target: Any) -> TargetIdentity:
         vocab_size=int(target.vocab_size),
         hidden_size=int(target.hidden_size),
         config_sha256=config_sha,
-        embedding_probe=_probe(target.model.get_input_embeddings().weight),
+        embedding_probe=_probe(target.model.get_input_embeddings()),
     )
 
 
-def _probe(embeddings: torch.Tensor) -> tuple[tuple[float, float], ...]:
-    vocab, hidden = embeddings.shape
+def embedding_table(embedding: torch.nn.Module) -> torch.Tensor:
+    """The float32 table [vocab, hidden] of an input embedding: its weight, or a GGUF embedding's
+    de-quantized blocks (which keep no float table)."""
+    weight = getattr(embedding, "weight", None)
+    if weight is not None:
+        return weight.detach().float()
+    return embedding.dequantized()  # type: ignore[operator]
+
+
+def _probe(embedding: torch.nn.Module) -> tuple[tuple[float, float], ...]:
+    weight = getattr(embedding, "weight", None)
+    if weight is not None:
+        vocab, hidden = weight.shape
+    else:
+        vocab, hidden = embedding.num_embeddings, embedding.embedding_dim
     signs = torch.randint(0, 2, (hidden,), generator=torch.Generator().manual_seed(0)).double() * 2 - 1
     rows = [(i * vocab) // _PROBE_ROWS + 1 for i in range(_PROBE_ROWS)]
-    with torch.no_grad():
-        picked = embeddings.detach()[rows].double().cpu()
-    return tuple((float(r @ signs), float(r.norm())) for r in picked)
+    with torch.no_grad():  # the rows as they are (a GGUF embedding de-quantizes only these)
+        picked = weight.detach()[rows] if weight is not None else embedding(torch.tensor(rows))
+    return tuple((float(r @ signs), float(r.norm())) for r in picked.double().cpu())
 
 
 def check_identity(saved: TargetIdentity, target: Any, what: str) -> None:

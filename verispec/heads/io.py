@@ -159,12 +159,44 @@ def load_heads(folder: Path, target: Any | None = None, *, kind: str | None = No
     )
 
 
+def shipped_heads(target_name: str, kind: str) -> Path | None:
+    """The folder of the ``kind`` heads shipped for the target called ``target_name``, or None."""
+    folder = SHIPPED_DIR / target_name / kind
+    return folder if (folder / CONFIG_FILE).is_file() else None
+
+
+def shipped_heads_fit(target: Any, kind: str) -> bool:
+    """Whether ``kind`` heads are shipped for ``target`` and were trained for this very model.
+
+    Shipped heads are found by the target's name, and a local folder may carry a bundled model's
+    name while holding another model: there the heads would be refused at load. Only the recorded
+    identity is compared (no weights are read), so asking costs one small JSON file.
+    """
+    folder = shipped_heads(str(target.name), kind)
+    if folder is None:
+        return False
+    try:
+        saved = TargetIdentity.from_dict(read_config(folder)["target"])
+        check_identity(saved, target, f"the shipped {kind} heads")
+    except VerispecError:
+        return False
+    return True
+
+
+def heads_kinds_in(heads: str | Path) -> tuple[str, ...]:
+    """The kinds of heads a ``--heads`` folder holds (itself or its ``<kind>/`` subfolders)."""
+    folder = Path(heads).expanduser()
+    if (folder / CONFIG_FILE).is_file():
+        return (read_config(folder)["kind"],)
+    return tuple(kind for kind in KINDS if (folder / kind / CONFIG_FILE).is_file())
+
+
 def resolve_heads_folder(heads: str | Path | None, kind: str, target_name: str) -> Path:
     """The folder to load ``kind`` heads from: ``heads`` itself, its ``<kind>/`` subfolder, or (None)
     the heads shipped for ``target_name``."""
     if heads is None:
-        folder = SHIPPED_DIR / target_name / kind
-        if not (folder / CONFIG_FILE).is_file():
+        folder = shipped_heads(target_name, kind)
+        if folder is None:
             shipped = sorted(p.parent.name for p in SHIPPED_DIR.glob(f"*/{kind}/{CONFIG_FILE}"))
             raise VerispecError(
                 f"no {kind} heads are shipped for {target_name} (shipped for: "

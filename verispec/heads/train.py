@@ -39,7 +39,7 @@ from torch.nn import functional as F
 from verispec.errors import VerispecError
 from verispec.heads.data import DEFAULT_SOURCES, SOURCES, DataSpec, HiddenStore, prepare_store
 from verispec.heads.eagle import EagleConfig, EagleDrafter, unrolled_masks
-from verispec.heads.identity import TargetIdentity, identify
+from verispec.heads.identity import TargetIdentity, embedding_table, identify
 from verispec.heads.io import DEFAULT_TREE, KINDS, WEIGHTS_FILE, file_sha256, load_heads, save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
@@ -592,7 +592,7 @@ def evaluate_saved(target: Any, data: TokenData, settings: TrainSettings) -> str
     loaded = load_heads(folder, target, kind=settings.kind)
     vocab = VocabHead(target, loaded.draft_vocab, for_training=True)
     width = settings.tree_width or loaded.tree["width"]
-    embeddings = target.model.get_input_embeddings().weight.detach().float()
+    embeddings = embedding_table(target.model.get_input_embeddings())
     rows = {}
     for split in EVAL_SPLITS:
         if loaded.kind == "medusa":
@@ -656,7 +656,7 @@ def train_heads(
         module: nn.Module = heads
         examples = int(train_j.numel())
     else:
-        embeddings = target.model.get_input_embeddings().weight.detach().float()
+        embeddings = embedding_table(target.model.get_input_embeddings())
         config = EagleConfig.for_target(target, settings.intermediate_size, data.feature_layers)
         drafter = EagleDrafter(config)
         if settings.init_from:

@@ -8,10 +8,10 @@ draft over the N most frequent tokens of the training data only: the head is cut
 acceptance only where the target would have chosen a rare token. The draft vocabulary is saved with
 the heads (``draft_vocab``, target token ids in draft-index order).
 
-Drafting uses the target's head as it runs (int8 or int4 on the CPU fast path, rows sliced without
-re-quantizing), or an int8 head's rows re-quantized to int4 where the heads run int4
-(:func:`~verispec.proposers.heads_base.heads_quantization`: at a few rows the int4 kernel's product
-costs 40-65% of fbgemm's int8); training uses its float weights (de-quantized for a quantized
+Drafting uses the target's head as it runs (a GGUF file's own blocks, int8 or int4 on the CPU fast
+paths, rows sliced without re-quantizing), or an int8 head's rows re-quantized to int4 where the
+heads run int4 (:func:`~verispec.proposers.heads_base.heads_quantization`: at a few rows the int4
+kernel's product costs 40-65% of fbgemm's int8); training uses its float weights (de-quantized for a quantized
 target, so the heads learn the head they will draft with).
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from verispec.models.gguf_linear import GGUFLinear
 from verispec.models.int4 import Int4Linear, quantize_weight
 from verispec.models.quant import RowwiseInt8Linear
 
@@ -29,7 +30,7 @@ from verispec.models.quant import RowwiseInt8Linear
 def float_lm_head_weight(target: Any) -> torch.Tensor:
     """[V, H] float32 weights of the target's LM head (de-quantized if it runs int8 or int4)."""
     head = target.lm_head
-    if isinstance(head, Int4Linear):
+    if isinstance(head, Int4Linear | GGUFLinear):
         return head.dequantized()
     if isinstance(head, RowwiseInt8Linear):
         int8, scales = head.int8_parts()
@@ -54,7 +55,7 @@ class VocabHead(nn.Module):
         self.softcap = getattr(target, "softcap", None)
         head = target.lm_head
         self.linear: nn.Module | None = None
-        if not for_training and isinstance(head, Int4Linear):  # its rows as they are (int4 or not)
+        if not for_training and isinstance(head, Int4Linear | GGUFLinear):  # its rows as they are
             self.linear = head.rows(ids) if ids is not None else head
             self.register_buffer("weight", torch.empty(0))
         elif int4 and not for_training:

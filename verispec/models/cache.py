@@ -45,6 +45,38 @@ def hf_folder_for(source: str) -> Path:
             _convert(gguf, folder, label=source, origin={"bundled": source, "sha256": model.sha256})
         return folder
 
+    path = _local_path(source)
+    if path.is_dir():
+        return path
+    return _folder_for_gguf(path)
+
+
+def gguf_file_for(source: str) -> Path | None:
+    """The GGUF file behind ``source``: a bundled model's verified file, or a .gguf path (checked
+    to start like a GGUF file; its structure is checked by whoever parses it). None when ``source``
+    is a Hugging Face model folder. Raises VerispecError as :func:`hf_folder_for` does."""
+    if source in BUNDLED:
+        return ensure_gguf(BUNDLED[source])
+    path = _local_path(source)
+    if path.is_dir():
+        return None
+    _check_magic(path)
+    return path
+
+
+def gguf_key(path: Path) -> str:
+    """Cache key of a GGUF file: its stem and a hash of its absolute path, size and mtime, so a
+    changed file gets a new key."""
+    path = path.resolve()
+    stat = path.stat()
+    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    stem = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.stem)
+    return f"{stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _local_path(source: str) -> Path:
+    """``source`` as a local Hugging Face folder (with its config.json) or an existing file,
+    resolved; VerispecError for anything else (an unknown name lists the bundled models)."""
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -57,7 +89,7 @@ def hf_folder_for(source: str) -> Path:
         if path.suffix.lower() == ".gguf" or os.sep in source or source.startswith(("~", ".")):
             raise VerispecError(f"no such file or folder: {source}")
         raise unknown_model_error(source)
-    return _folder_for_gguf(path.resolve())
+    return path.resolve()
 
 
 def is_converted(name: str) -> bool:
@@ -77,9 +109,7 @@ def _hf_root() -> Path:
 def _folder_for_gguf(path: Path) -> Path:
     """Converted folder for a user-supplied GGUF file (validated first: it may be anything)."""
     stat = path.stat()
-    identity = f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    stem = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.stem)
-    folder = _hf_root() / f"{stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+    folder = _hf_root() / gguf_key(path)
     if not is_complete(folder):
         _validate_gguf(path)
         origin = {"gguf": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -89,13 +119,7 @@ def _folder_for_gguf(path: Path) -> Path:
 
 def _validate_gguf(path: Path) -> None:
     """Raise VerispecError unless ``path`` parses as a whole GGUF file (magic, header, tensor data)."""
-    with path.open("rb") as file:
-        magic = file.read(4)
-    if magic != _GGUF_MAGIC:
-        raise VerispecError(
-            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); "
-            "pass a .gguf file, a Hugging Face model folder or a bundled model name"
-        )
+    _check_magic(path)
     import gguf  # only needed here; keeps `verispec models` light
 
     try:
@@ -105,6 +129,17 @@ def _validate_gguf(path: Path) -> None:
         raise VerispecError(
             f"{path} is not a readable GGUF file (truncated or corrupt download?): {exc}"
         ) from exc
+
+
+def _check_magic(path: Path) -> None:
+    """Raise VerispecError unless ``path`` starts with the GGUF magic bytes."""
+    with path.open("rb") as file:
+        magic = file.read(4)
+    if magic != _GGUF_MAGIC:
+        raise VerispecError(
+            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); "
+            "pass a .gguf file, a Hugging Face model folder or a bundled model name"
+        )
 
 
 def _estimate_seconds(gguf_size: int) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from verispec.models.gguf_linear import GGUFLinear
 from verispec.models.int4 import Int4Linear
 from verispec.models.quant import RowwiseInt8Linear
 
@@ -98,8 +99,10 @@ def fuse_projections(model: nn.Module) -> int:
 def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
     """One Linear over the members' outputs, or None where they cannot be fused."""
     kinds = {type(m) for m in members}
-    if len(kinds) != 1 or not kinds & {RowwiseInt8Linear, Int4Linear}:
+    if len(kinds) != 1 or not kinds & {RowwiseInt8Linear, Int4Linear, GGUFLinear}:
         return None
+    if kinds == {GGUFLinear}:
+        return GGUFLinear.concatenate(members)  # type: ignore[arg-type]
     if len({m.in_features for m in members}) != 1:  # type: ignore[union-attr]
         return None
     biases = [

@@ -217,6 +217,11 @@ def load_hf_folder(
         raise VerispecError(f"device {cfg.device!r} requested but CUDA is not available; use --device cpu")
     start = time.perf_counter()
     quantization = resolve_quantization(cfg.quantization, cfg.device, cfg.dtype)
+    if quantization == "gguf":
+        raise VerispecError(
+            f"--quantization gguf runs a GGUF file's own blocks, and {folder} is a Hugging Face folder; "
+            "pass a .gguf file or a bundled model name, or use --quantization auto, none, int8 or int4"
+        )
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_DTYPES[cfg.dtype], device_map=cfg.device)
     except (OSError, ValueError) as exc:

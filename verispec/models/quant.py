@@ -27,21 +27,23 @@ from torch import nn
 
 from verispec.errors import VerispecError
 
-Quantization = Literal["auto", "none", "int8", "int4"]
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4")
+Quantization = Literal["auto", "none", "int8", "int4", "gguf"]
+QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "gguf")
+"""``gguf`` runs a GGUF model's own quantized blocks (:mod:`verispec.models.gguf_native`)."""
 
 
 def resolve_quantization(
     quantization: Quantization, device: str, dtype: str
-) -> Literal["none", "int8", "int4"]:
-    """``auto`` means int8 for float32 models on CPU (the fast path), none otherwise.
+) -> Literal["none", "int8", "int4", "gguf"]:
+    """``auto`` means int8 for float32 models on CPU (the fast path), none otherwise. (For a GGUF
+    source ``auto`` is decided before this: :func:`verispec.models.native_gguf_by_default`.)
 
     On CUDA the float kernels are fast already; a bfloat16/float16 request says the user wants
     that dtype's arithmetic, so auto leaves it alone.
     """
     if quantization == "auto":
         return "int8" if device == "cpu" and dtype == "float32" else "none"
-    if quantization in ("int8", "int4") and (device != "cpu" or dtype != "float32"):
+    if quantization in ("int8", "int4", "gguf") and (device != "cpu" or dtype != "float32"):
         raise VerispecError(
             f"--quantization {quantization} needs --device cpu and --dtype float32 (its CPU kernels "
             "quantize float32 activations); use --quantization none otherwise"
@@ -160,11 +162,15 @@ def _to_amx_int8(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
 
 
 def lm_head_kind(model: Any) -> str:
-    """``int4``, ``int8`` or ``float``: the kind of ``model``'s LM head (on the int4 path it depends
-    on the CPU, :func:`verispec.models.int4.int4_lm_head`); its argmax and its rows' cost follow it."""
+    """``gguf``, ``int4``, ``int8`` or ``float``: the kind of ``model``'s LM head (on the int4 path it
+    depends on the CPU, :func:`verispec.models.int4.int4_lm_head`); its argmax and its rows' cost
+    follow it."""
+    from verispec.models.gguf_linear import GGUFLinear
     from verispec.models.int4 import Int4Linear
 
     head = getattr(model, "lm_head", None)
+    if isinstance(head, GGUFLinear):
+        return "gguf"
     return (
         "int4" if isinstance(head, Int4Linear) else "int8" if isinstance(head, RowwiseInt8Linear) else "float"
     )

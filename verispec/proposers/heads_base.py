@@ -38,7 +38,7 @@ def heads_quantization(target: Any) -> HeadsQuantization:
     8k-token LM head vs 2.15 ms; NOTES.md, session 14). A draft only has to be good, not exact,
     and the target verifies every token at its own precision, so output is unchanged.
     """
-    if getattr(target, "quantization", "none") not in ("int8", "int4"):
+    if getattr(target, "quantization", "none") not in ("int8", "int4", "gguf"):
         return "none"
     from verispec.models.int4 import cpu_supports_int4
 

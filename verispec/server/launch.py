@@ -79,8 +79,8 @@ def serve(
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(
-        f"verispec: serving {served_model_name} at http://{shown}:{port} (OpenAI API under /v1, "
-        f"metrics at /metrics)",
+        f"verispec: serving {served_model_name} at http://{shown}:{port} ({engine.spec.describe()}; "
+        f"OpenAI API under /v1, metrics at /metrics)",
         file=sys.stderr,
     )
     async_engine.start()

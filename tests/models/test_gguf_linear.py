@@ -1,0 +1,203 @@
+"""GGUF blocks run as they are: the weights the kernel multiplies by are gguf's own de-quantization
+of the same blocks (per type, to the bit), its products match a float64 reference of the same
+quantized activations, and each row's result is bit-identical alone or in a batch."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFReader, quants
+from gguf import GGMLQuantizationType as Q
+
+from verispec.errors import VerispecError
+from verispec.models import gguf_linear as gl
+from verispec.models.registry import BUNDLED, ensure_gguf
+
+TYPES = sorted(gl.KERNEL_TYPES, key=lambda t: t.name)
+
+pytestmark = pytest.mark.skipif(
+    gl.kernel_error() is not None, reason="the GGUF kernel could not be built here"
+)
+
+
+def random_blocks(qtype: Q, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random codes with sane float16 scales: [rows, row_bytes] as GGUFReader gives a tensor."""
+    rng = np.random.default_rng(seed)
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    n = rows * (k // per_block)
+    b = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+
+    def f16(low: float, high: float) -> np.ndarray:
+        return rng.uniform(low, high, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+
+    if qtype in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q4_1, Q.Q5_1):
+        b[:, 0:2] = f16(1e-3, 1e-2)
+    if qtype in (Q.Q4_1, Q.Q5_1):
+        b[:, 2:4] = f16(-5e-2, 0.0)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        b[:, 0:2], b[:, 2:4] = f16(1e-4, 1e-3), f16(1e-4, 1e-3)
+    if qtype == Q.Q6_K:
+        b[:, 208:210] = f16(1e-4, 1e-3)
+    return b.reshape(rows, -1)
+
+
+def reference(x: torch.Tensor, w: np.ndarray, unit: int) -> torch.Tensor:
+    """x @ w.T in float64 after the kernel's activation quantization (per row and unit of inputs,
+    round(x * 127 / max|x|) in float32, half to even)."""
+    xf = x.numpy().astype(np.float32)
+    m, k = xf.shape
+    xu = xf.reshape(m, k // unit, unit)
+    amax = np.abs(xu).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    codes = np.clip(np.rint(xu * inv), -127, 127)
+    deq = (codes * (amax / np.float32(127)).astype(np.float64)).reshape(m, k)
+    return torch.from_numpy(deq @ w.astype(np.float64).T)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_weights_multiplied_by_are_ggufs_own_dequantization(qtype: Q) -> None:
+    rows, k = 37, 512
+    blocks = random_blocks(qtype, rows, k)
+    expected = quants.dequantize(blocks, qtype).reshape(rows, k)
+    codes, factors = gl.unpack_blocks(qtype, blocks)
+    assert np.array_equal(gl.dequantize_factors(qtype, codes, factors), expected)
+    layer = gl.GGUFLinear(qtype, blocks, (rows, k))
+    assert np.array_equal(layer.dequantized().numpy(), expected)  # read back from the kernel's arrays
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_match_a_float64_reference_of_the_quantized_activations(qtype: Q) -> None:
+    rows, k = 45, 768
+    blocks = random_blocks(qtype, rows, k, seed=1)
+    bias = torch.randn(rows)
+    layer = gl.GGUFLinear(qtype, blocks, (rows, k), bias)
+    x = torch.randn(6, k) * torch.linspace(0.1, 3.0, k)  # uneven ranges across units
+    unit = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    expected = reference(x, quants.dequantize(blocks, qtype).reshape(rows, k), unit) + bias.double()
+    got = layer(x).double()
+    assert got.shape == (6, rows)
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+    # Against the float input (not its quantization) it is close, as a sanity bound on the scales.
+    exact = x.double() @ torch.from_numpy(quants.dequantize(blocks, qtype).reshape(rows, k)).double().T
+    assert (got - bias.double() - exact).abs().max() <= 0.05 * exact.abs().max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_a_row_scores_bit_identically_alone_and_in_any_batch(qtype: Q) -> None:
+    rows, k = 50, 512
+    layer = gl.GGUFLinear(qtype, random_blocks(qtype, rows, k, seed=2), (rows, k), torch.randn(rows))
+    x = torch.randn(19, k)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for count in (2, 7, 8, 9, 16, 19):  # below, at and past the kernel's row block of 8
+        assert torch.equal(layer(x[:count]), alone[:count])
+    assert torch.equal(layer(x[5:14]), alone[5:14])  # wherever the row sits
+    assert torch.equal(layer(x.view(1, 19, k)).view(19, rows), alone)  # leading dimensions kept
+
+
+def test_unsupported_types_and_shapes_are_refused_by_name() -> None:
+    blocks = np.zeros((4, GGML_QUANT_SIZES[Q.Q2_K][1]), dtype=np.uint8)
+    with pytest.raises(VerispecError, match="Q2_K"):
+        gl.GGUFLinear(Q.Q2_K, blocks, (4, 256))
+    with pytest.raises(VerispecError, match=r"blk\.3\.ffn_up\.weight is stored as IQ4_XS"):
+        gl.check_type(Q.IQ4_XS, "blk.3.ffn_up.weight")
+    with pytest.raises(VerispecError, match="rows of blocks"):
+        gl.GGUFLinear(Q.Q8_0, random_blocks(Q.Q8_0, 3, 64), (4, 64))
+
+
+def test_no_rows_give_an_empty_result() -> None:
+    layer = gl.GGUFLinear(Q.Q4_0, random_blocks(Q.Q4_0, 5, 64), (5, 64))
+    assert layer(torch.empty(0, 64)).shape == (0, 5)
+
+
+def test_a_real_files_tensors_unpack_exactly() -> None:
+    """SmolLM2's file: Q4_1 layers and a Q8_0 embedding, as a real quantizer wrote them."""
+    reader = GGUFReader(ensure_gguf(BUNDLED["smollm2-135m-instruct"]))
+    seen = set()
+    for tensor in reader.tensors:
+        if tensor.tensor_type in seen or tensor.tensor_type not in gl.KERNEL_TYPES:
+            continue
+        seen.add(tensor.tensor_type)
+        data = np.array(tensor.data[:64])  # 64 output rows are enough to see every field
+        k = int(tensor.shape[0])
+        layer = gl.GGUFLinear(tensor.tensor_type, data, (64, k))
+        assert np.array_equal(
+            layer.dequantized().numpy(), quants.dequantize(data, tensor.tensor_type).reshape(64, k)
+        )
+    assert seen == {Q.Q4_1, Q.Q8_0}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
+def test_rows_cut_a_layer_to_some_channels_bit_identically(qtype: Q) -> None:
+    rows, k = 70, 512
+    layer = gl.GGUFLinear(qtype, random_blocks(qtype, rows, k, seed=3), (rows, k), torch.randn(rows))
+    ids = torch.tensor([69, 0, 17, 16, 33, 5, 48])
+    cut = layer.rows(ids)
+    x = torch.randn(3, k)
+    assert torch.equal(cut(x), layer(x)[:, ids])
+    assert torch.equal(cut.dequantized(), layer.dequantized()[ids])
+
+
+def test_fused_projections_give_the_separate_layers_outputs() -> None:
+    from verispec.models.fused import _concatenate
+
+    k = 512
+    q, kk, v = (
+        gl.GGUFLinear(Q.Q4_K, random_blocks(Q.Q4_K, n, k, seed=n), (n, k), torch.randn(n))
+        for n in (64, 32, 20)
+    )
+    fused = _concatenate([q, kk, v])
+    assert fused is not None
+    x = torch.randn(4, k)
+    assert torch.equal(fused(x), torch.cat([q(x), kk(x), v(x)], dim=-1))
+    other = gl.GGUFLinear(Q.Q6_K, random_blocks(Q.Q6_K, 32, k), (32, k))
+    assert _concatenate([q, other]) is None  # two formats: left apart
+    assert _concatenate([v, q]) is None  # a padded tile before the last member
+
+
+_INSIDE = "VERISPEC_TEST_OTHER_GGUF_BUILD"
+_OTHER_BUILD = """
+import sys
+from verispec.models import native
+native.cpu_isa = lambda: {isa!r}  # build and load the kernel as on a CPU with only this
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", "products_match or bit_identically or real_file",
+                      {path!r}]))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", None], ids=["avx2", "scalar"])
+def test_the_avx2_and_portable_builds_pass_the_same_checks(isa: str | None) -> None:
+    """The AVX2 and portable builds, compiled here as a CPU without AVX-512 (or without AVX2) would
+    compile them, pass the same checks: each build is its own consistent arithmetic."""
+    import subprocess
+    import sys
+
+    if os.environ.get(_INSIDE):
+        pytest.skip("already inside another build's run")
+    if isa is not None and native_isa() is None:
+        pytest.skip("this CPU cannot run the AVX2 build")
+    script = _OTHER_BUILD.format(isa=isa, path=__file__)
+    env = {**os.environ, _INSIDE: "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout
+
+
+def native_isa() -> str | None:
+    from verispec.models import native
+
+    return native.cpu_isa()
+
+
+def test_large_layers_are_packed_a_slice_of_rows_at_a_time() -> None:
+    rows, k = gl._PACK_ROWS * 2 + 21, 256  # three slices, the last one padded
+    blocks = random_blocks(Q.Q6_K, rows, k, seed=4)
+    layer = gl.GGUFLinear(Q.Q6_K, blocks, (rows, k))
+    assert np.array_equal(layer.dequantized().numpy(), quants.dequantize(blocks, Q.Q6_K).reshape(rows, k))
+    x = torch.randn(2, k)
+    assert torch.equal(layer(x)[:, -21:], layer.rows(torch.arange(rows - 21, rows))(x))

@@ -1,0 +1,153 @@
+"""The llama.cpp side of ``verispec bench load``, run as a script in a process of its own.
+
+It imports only the standard library and ``llama_cpp`` (no torch, no verispec), so its peak memory
+is llama.cpp's and the Python interpreter's, nothing of verispec's. Usage:
+
+    python model_load_llamacpp.py SETTINGS_JSON RESULT_FILE
+
+``SETTINGS_JSON`` holds ``model_path``, ``threads``, ``context``, ``ks`` and ``repeats``; the result
+file gets the fields of :class:`verispec.bench.model_load.SideResult` that a worker measures, or
+``{"error": ...}``. Anything llama.cpp's C code prints goes to this process's output, which the
+parent writes to a log.
+
+The cost of appending k tokens is timed the way :func:`verispec.bench.forward.measure_curve` times
+it: the context evaluated once, then for each k one untimed ``eval`` of k tokens and ``repeats``
+timed ones, each starting from the same ``context``-token cache. Setting ``Llama.n_tokens`` back to
+the context is the rollback: ``eval`` first removes every cache cell from ``n_tokens`` on.
+The model is asked for logits at every position (``logits_all``), as a speculative check of k
+tokens needs them; a llama-cpp-python too new or old to take that flag computes only the last row,
+and the result says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory in MiB: ``VmHWM`` where Linux has it, as in ``model_load.peak_rss_mb``
+    (``ru_maxrss`` would include the parent's memory at the fork)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
+
+
+def current_rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            pages = int(fh.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def load(settings: dict[str, Any]) -> tuple[Any, bool]:
+    """The ``llama_cpp.Llama`` for the file, and whether it computes logits at every position."""
+    import llama_cpp
+
+    threads = settings["threads"]
+    common = {
+        "model_path": settings["model_path"],
+        "n_ctx": settings["context"] + max(settings["ks"]),
+        "n_batch": max(512, settings["context"]),
+        "n_threads": threads,
+        "n_threads_batch": threads,
+        "verbose": False,
+    }
+    try:
+        return llama_cpp.Llama(logits_all=True, **common), True
+    except TypeError:  # a version without the flag
+        return llama_cpp.Llama(**common), False
+
+
+def _uses_mmap(llama_cpp: Any, llm: Any) -> bool | None:
+    """Whether llama.cpp maps the file (the default) rather than reading it: older versions say so
+    with ``use_mmap``, newer ones with a ``load_mode``."""
+    params = getattr(llm, "model_params", None)
+    if hasattr(params, "use_mmap"):
+        return bool(params.use_mmap)
+    mapped = [
+        getattr(llama_cpp, name, None) for name in ("LLAMA_LOAD_MODE_MMAP", "LLAMA_LOAD_MODE_MMAP_MLOCK")
+    ]
+    return params.load_mode in mapped if hasattr(params, "load_mode") else None
+
+
+def measure(settings: dict[str, Any]) -> dict[str, Any]:
+    import llama_cpp
+
+    rss_before = current_rss_mb()
+    started = time.perf_counter()
+    llm, all_logits = load(settings)
+    load_seconds = time.perf_counter() - started
+    peak_after_load, rss_after_load = peak_rss_mb(), current_rss_mb()
+
+    context, ks, repeats = settings["context"], settings["ks"], settings["repeats"]
+    rng = random.Random(1)
+    ids = [rng.randrange(llm.n_vocab()) for _ in range(context + max(ks))]
+    started = time.perf_counter()
+    llm.eval(ids[:context])
+    first_forward = time.perf_counter() - started
+    # Without logits_all, newer versions leave ``scores`` unwritten: nothing to check then.
+    finite = all(math.isfinite(float(x)) for x in llm.scores[llm.n_tokens - 1]) if all_logits else None
+
+    points = []
+    for k in ks:
+        new = ids[context : context + k]
+        llm.n_tokens = context
+        llm.eval(new)  # warm-up for this shape
+        times = []
+        for _ in range(repeats):
+            llm.n_tokens = context  # eval removes the cache cells from here on: the same context each time
+            began = time.perf_counter()
+            llm.eval(new)
+            times.append((time.perf_counter() - began) * 1000)
+        points.append({"k": k, "median_ms": statistics.median(times), "ms": times})
+    return {
+        "load_seconds": load_seconds,
+        "first_forward_seconds": first_forward,
+        "peak_rss_after_load_mb": peak_after_load,
+        "rss_before_load_mb": rss_before,
+        "rss_after_load_mb": rss_after_load,
+        "logits_finite": finite,
+        "curve": {"role": "llama.cpp", "model": settings["model_path"], "context": context, "points": points},
+        "details": {
+            "llama_cpp_python": getattr(llama_cpp, "__version__", None),
+            "threads": settings["threads"],
+            "logits": "every position" if all_logits else "last position only",
+            "mmap": _uses_mmap(llama_cpp, llm),
+            "n_ctx": int(llm.n_ctx()),
+        },
+    }
+
+
+def main(argv: list[str]) -> int:
+    settings, result_path = json.loads(argv[0]), Path(argv[1])
+    try:
+        result = measure(settings)
+    except Exception as exc:  # reported as the side's failure
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result["peak_rss_mb"] = peak_rss_mb()
+    result_path.write_text(json.dumps(result))
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,618 @@
+"""Load a GGUF model with its weights left in the file's own quantized blocks.
+
+Why: the converted-model cache (:mod:`verispec.models.cache`) de-quantizes a GGUF to float32 once,
+4 bytes a parameter: 9.5 GB and minutes of conversion for the bundled models, and an 8B model
+cannot even be converted on a 24 GB machine. Here nothing of that size is built, in memory or on
+disk: the file is memory-mapped, and each quantized weight matrix goes from its blocks in the file
+to a :class:`~verispec.models.gguf_linear.GGUFLinear`, which runs them as they are.
+
+How, so that everything downstream (:class:`~verispec.models.hf.HFCausalLM`, the lean forward,
+EAGLE's feature taps) sees the same transformers model as the converted path:
+
+- The config and tokenizer come from transformers' own GGUF support. Building them parses the
+  file's whole vocabulary (10 s for the 1.5B's 150k tokens), so the few MB they save to are cached
+  under ``<cache>/gguf-meta/<key>/``, keyed like the converted folders.
+- The model is built from that config with its parameters on the meta device (no memory); buffers
+  such as the rotary frequencies are computed as usual.
+- Each tensor goes where transformers' GGUF loader puts it: its name map (gguf-py's, through
+  ``get_gguf_hf_weights_map``) and its per-architecture tensor processor, which also adjusts small
+  float tensors (Gemma's norms) exactly as it does when converting.
+- A quantized Linear weight becomes a GGUFLinear over the tensor's blocks; the token embedding a
+  :class:`GGUFEmbedding` that de-quantizes only the rows it looks up; a tied LM head a GGUFLinear
+  over the embedding's blocks. A type no kernel runs is refused by name, never re-rounded. Float
+  (F32/F16/BF16) weight matrices become plain float Linears.
+- Where a processor reorders a tensor's rows (llama.cpp permutes Llama's q/k rows for its rotary
+  layout, and transformers permutes them back), the same reorder moves whole rows of blocks: a
+  block never spans two rows, so this is exact. The reorder is found by running the processor on
+  row indices, so it is transformers' own, whatever the architecture; a processor that does more
+  than reorder rows (a transpose, a change of values) cannot apply to blocks, and is refused.
+- Once a tensor is in its module, its pages of the map are handed back (:meth:`GGUFFile.release`),
+  so a module that copies its blocks does not leave the file's bytes counted twice.
+
+The tensor table is read here (:func:`read_gguf`) rather than with ``gguf.GGUFReader``, which
+builds an object per vocabulary string: 9 s for the 1.5B's header against a fraction of a second.
+The arrays are the ones GGUFReader gives (same dtype, shape and bytes; the tests check it).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
+from torch import nn
+
+from verispec.config import ModelLoadConfig
+from verispec.errors import VerispecError
+from verispec.models.gguf_linear import GGUFLinear, check_type
+from verispec.models.hf import HFCausalLM
+from verispec.models.quant import resolve_quantization
+
+Q = GGMLQuantizationType
+
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.F64})
+"""Types that hold values, not blocks: such a weight matrix becomes a plain float Linear."""
+
+_VALUE_DTYPES = {
+    Q.F32: np.float32,
+    Q.F16: np.float16,
+    Q.F64: np.float64,
+    Q.I8: np.int8,
+    Q.I16: np.int16,
+    Q.I32: np.int32,
+    Q.I64: np.int64,
+}
+"""Types GGUFReader hands out as typed arrays of values; every other type comes as uint8 rows."""
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+META_DONE = "verispec-source.json"
+"""Written last into a metadata folder; its presence marks the folder complete."""
+
+
+# --- reading the file ------------------------------------------------------------------------------
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file, its data a view of the memory-mapped file."""
+
+    name: str
+    qtype: Q
+    shape: tuple[int, ...]
+    """In torch order (out_features, in_features for a weight matrix)."""
+    data: np.ndarray
+    """As ``gguf.GGUFReader`` gives it: uint8 ``[..., row_bytes]`` for block types and BF16, a
+    typed array of ``shape`` for F32/F16/F64 and the integer types."""
+    start: int
+    """Where ``data`` starts in the file."""
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file's scalar metadata and tensors (array metadata, such as the vocabulary, is
+    skipped: it is the tokenizer's business)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+    mapping: mmap.mmap
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def release(self, tensor: GGUFTensor | None = None) -> None:
+        """Drop the pages of ``tensor`` (None: of the whole file) from this process's memory.
+
+        A module that copies its blocks (the kernel's layout) leaves the pages it read mapped here,
+        counted in the resident size beside the copy until the map goes. Dropped pages are
+        re-read from the file if anything still reads them (the map is private and never written,
+        so they read back the same), as the embedding does, a few rows at a time."""
+        if not hasattr(mmap, "MADV_DONTNEED"):  # not Linux: the OS decides
+            return
+        start, end = (
+            (0, len(self.mapping)) if tensor is None else (tensor.start, tensor.start + tensor.data.nbytes)
+        )
+        start -= start % mmap.PAGESIZE
+        if end > start:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """Parse ``path``'s header and tensor table; the tensors are views of a copy-on-write map of
+    the file (writable for torch, never written back, read from disk only where used).
+
+    Raises VerispecError for a file that is not a whole little-endian GGUF v2/v3 file."""
+    try:
+        with path.open("rb") as handle:
+            mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:  # an empty file cannot be mapped
+        raise VerispecError(f"{path} is not a readable GGUF file: {exc}") from exc
+    blob = np.frombuffer(mapping, dtype=np.uint8)
+    try:
+        metadata, entries, data_start = _parse_header(memoryview(blob), path)
+    except (struct.error, UnicodeDecodeError, IndexError) as exc:
+        raise VerispecError(
+            f"{path} is not a readable GGUF file (truncated or corrupt download?): {exc}"
+        ) from exc
+    tensors = [_tensor(path, blob, data_start, *entry) for entry in entries]
+    return GGUFFile(path=path, metadata=metadata, tensors=tensors, mapping=mapping)
+
+
+def _parse_header(
+    buf: memoryview, path: Path
+) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]], int]:
+    """The scalar metadata, (name, torch shape, type id, offset) per tensor, and where data starts."""
+    if bytes(buf[:4]) != b"GGUF":
+        raise VerispecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        hint = " (a big-endian file?)" if version & 0xFFFF == 0 else ""
+        raise VerispecError(f"{path} is GGUF version {version}{hint}; verispec reads v2 and v3 files")
+    pos = 24
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key, pos = _string(buf, pos)
+        (kind,) = struct.unpack_from("<I", buf, pos)
+        metadata[key], pos = _value(buf, pos + 4, kind)
+    entries = []
+    for _ in range(tensor_count):
+        name, pos = _string(buf, pos)
+        (ndims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{ndims}Q", buf, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * ndims)
+        pos += 4 + 8 * ndims + 12
+        entries.append((name, tuple(reversed(dims)), type_id, offset))  # ggml lists the fastest dim first
+    alignment = int(metadata.get("general.alignment", 32))
+    return metadata, entries, -(-pos // alignment) * alignment
+
+
+def _string(buf: memoryview, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    end = pos + 8 + length
+    if end > len(buf):
+        raise IndexError("a string runs past the end of the file")
+    return bytes(buf[pos + 8 : end]).decode("utf-8"), end
+
+
+def _value(buf: memoryview, pos: int, kind: int) -> tuple[Any, int]:
+    """One metadata value and the offset after it; an array is skipped and stands as its length."""
+    if kind in _SCALARS:
+        fmt = _SCALARS[kind]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if kind == GGUFValueType.STRING:
+        return _string(buf, pos)
+    if kind != GGUFValueType.ARRAY:
+        raise IndexError(f"unknown metadata value type {kind}")
+    item, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if item in _SCALARS:
+        return count, pos + count * struct.calcsize(_SCALARS[item])
+    if item == GGUFValueType.STRING:  # the vocabulary: walk the lengths, decode nothing
+        for _ in range(count):
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        return count, pos
+    for _ in range(count):  # nested arrays
+        _, pos = _value(buf, pos, item)
+    return count, pos
+
+
+def _tensor(
+    path: Path,
+    blob: np.ndarray,
+    data_start: int,
+    name: str,
+    shape: tuple[int, ...],
+    type_id: int,
+    offset: int,
+) -> GGUFTensor:
+    try:
+        qtype = Q(type_id)
+        block, size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise VerispecError(
+            f"{path}: tensor {name} has ggml type {type_id}, which gguf-py does not know"
+        ) from None
+    if shape[-1] % block:
+        raise VerispecError(f"{path}: tensor {name} has rows of {shape[-1]}, not whole {qtype.name} blocks")
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    row_bytes = shape[-1] // block * size
+    start = data_start + offset
+    end = start + rows * row_bytes
+    if end > blob.shape[0]:
+        raise VerispecError(
+            f"{path} is not a readable GGUF file (truncated or corrupt download?): tensor {name} "
+            f"ends at byte {end:,} of a {blob.shape[0]:,}-byte file"
+        )
+    data = blob[start:end]
+    if qtype in _VALUE_DTYPES:
+        data = data.view(_VALUE_DTYPES[qtype]).reshape(shape)
+    else:
+        data = data.reshape(*shape[:-1], row_bytes)
+    return GGUFTensor(name=name, qtype=qtype, shape=shape, data=data, start=start)
+
+
+# --- the embedding -------------------------------------------------------------------------------
+
+
+class GGUFEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table stays a GGUF tensor's blocks: a lookup de-quantizes only the
+    rows it looks up.
+
+    The 1.5B's table de-quantized is 151936 x 1536 floats (0.9 GB) to look up a few rows a step.
+    Row r of the table is row r of the blocks (a block never spans two rows) and de-quantizing is
+    element by element, so each row comes out exactly as in gguf's de-quantized table.
+    """
+
+    def __init__(self, qtype: Q, blocks: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> None:
+        """``blocks``: uint8 ``[num_embeddings, row_bytes]`` as GGUFReader gives the tensor's data
+        (kept, not copied); ``shape``: (num_embeddings, embedding_dim)."""
+        super().__init__()
+        self.qtype = qtype
+        self.num_embeddings, self.embedding_dim = shape
+        data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
+        self.register_buffer(
+            "blocks", torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)), persistent=False
+        )
+        try:
+            self._rows(
+                torch.zeros(1, dtype=torch.long)
+            )  # a type gguf cannot de-quantize fails here, not mid-request
+        except NotImplementedError as exc:
+            raise VerispecError(
+                f"token embeddings stored as {qtype.name} cannot be de-quantized: {exc}"
+            ) from exc
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids).numpy()
+        values = quants.dequantize(rows, self.qtype)  # [n, embedding_dim] float32
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(-1, self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1).to(device=self.blocks.device, dtype=torch.long)
+        return self._rows(ids).view(*input_ids.shape, self.embedding_dim)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole float32 table [num_embeddings, embedding_dim] (4 bytes a parameter: for tests
+        and tools, not for the forward)."""
+        return self._rows(torch.arange(self.num_embeddings))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
+    """Load the GGUF model at ``path`` running its own blocks (CPU, float32 activations).
+
+    No float32 copy of the weights is built: the quantized weights go from the memory-mapped
+    file to the GGUF modules (see the module docstring). Raises VerispecError for a tensor type no
+    kernel runs, naming it."""
+    resolve_quantization("gguf", cfg.device, cfg.dtype)  # refuses CUDA and half precision
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    start = time.perf_counter()
+    file = read_gguf(path)
+    folder = _meta_folder(path)
+    cached = (folder / META_DONE).is_file()
+    with _one_metadata_parse():
+        config = _load_config(folder if cached else None, path)
+        model = _empty_model(config, path)
+        _fill(model, file, config)
+        tokenizer = _load_tokenizer(folder if cached else None, path)
+    if not cached:
+        _remember(folder, config, tokenizer, path)
+    from verispec.models.attention import register
+
+    model.set_attn_implementation(register())
+    lm = HFCausalLM(model.eval(), name=name, tokenizer=tokenizer)
+    lm.quantization = "gguf"
+    lm.load_seconds = time.perf_counter() - start
+    return lm
+
+
+def _meta_folder(path: Path) -> Path:
+    from verispec.models.cache import gguf_key
+    from verispec.models.registry import cache_root
+
+    return cache_root() / "gguf-meta" / gguf_key(path)
+
+
+def _load_config(folder: Path | None, path: Path) -> Any:
+    """The model's config: from the metadata folder, else from the file's metadata."""
+    from transformers import AutoConfig
+
+    try:
+        if folder is not None:
+            return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, OSError) as exc:  # unsupported architecture, bad metadata, ...
+        raise VerispecError(f"transformers could not load {path}: {exc}") from exc
+
+
+def _load_tokenizer(folder: Path | None, path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        if folder is not None:
+            return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, OSError) as exc:
+        raise VerispecError(f"transformers could not build the tokenizer of {path}: {exc}") from exc
+
+
+@contextmanager
+def _one_metadata_parse() -> Iterator[None]:
+    """AutoConfig and AutoTokenizer each parse the file's whole metadata with transformers'
+    ``load_gguf_checkpoint`` (10 s each for a 150k-token vocabulary, an object per string). While
+    this lasts, that parse (without tensors) runs once per file and each caller gets its own copy
+    of the result."""
+    from transformers import modeling_gguf_pytorch_utils as utils
+
+    parse = utils.load_gguf_checkpoint
+    parsed: dict[str, Any] = {}
+
+    def once(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+        if return_tensors or args or kwargs:
+            return parse(path, return_tensors, *args, **kwargs)
+        if str(path) not in parsed:
+            parsed[str(path)] = parse(path, return_tensors=False)
+        return copy.deepcopy(parsed[str(path)])
+
+    utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        utils.load_gguf_checkpoint = parse
+
+
+def _remember(folder: Path, config: Any, tokenizer: Any, path: Path) -> None:
+    """Save config and tokenizer (a few MB) into ``folder``, published whole by a rename."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        (tmp / META_DONE).write_text(json.dumps({"gguf": str(path.resolve())}, indent=1))
+        if folder.exists() and not (folder / META_DONE).is_file():
+            shutil.rmtree(folder)  # an incomplete folder from elsewhere: not to be trusted
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / META_DONE).is_file():  # another process got there first: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter created inside lives on the meta device (no memory); buffers, such as the
+    rotary frequencies computed in ``__init__``, stay real. Patches ``nn.Module.register_parameter``
+    while it lasts (a model is built in one thread at load)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _empty_model(config: Any, path: Path) -> nn.Module:
+    """The transformers model the converted path would load, its parameters on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with _parameters_on_meta():
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except ValueError as exc:  # a config no causal LM class takes
+        raise VerispecError(f"transformers has no causal LM for {path}: {exc}") from exc
+
+
+def _fill(model: nn.Module, file: GGUFFile, config: Any) -> None:
+    """Put every tensor of ``file`` into ``model``: blocks into GGUF modules, floats into parameters.
+
+    Raises VerispecError for a type no kernel runs, a tensor whose shape does not fit, or a
+    parameter the file does not hold."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=config.to_dict())
+    try:
+        with _one_name_map():
+            names = get_gguf_hf_weights_map(model, processor)  # gguf name -> transformers name
+    except NotImplementedError as exc:
+        raise VerispecError(f"{file.path}: gguf-py has no tensor names for this architecture: {exc}") from exc
+    modules = dict(model.named_modules())
+    blocks: dict[str, GGUFTensor] = {}  # module name -> its quantized weight, once its bias is in
+    for tensor in file.tensors:
+        if tensor.name not in names:
+            continue  # nothing in the model for it (llama 3's rope_freqs): transformers skips it too
+        owner, _, leaf = names[tensor.name].rpartition(".")
+        module = modules.get(owner)
+        if tensor.qtype not in FLOAT_TYPES and leaf == "weight" and _takes_blocks(module):
+            blocks[owner] = tensor
+            continue
+        for hf_name, value in _float_values(processor, tensor, names):
+            owner, _, leaf = hf_name.rpartition(".")
+            _set_tensor(modules[owner], leaf, value, hf_name)
+        file.release(tensor)
+    for owner, tensor in blocks.items():
+        model.set_submodule(owner, _block_module(modules[owner], tensor, processor, names))
+        file.release(tensor)
+    _tie_head(model, file, processor, names)
+    file.release()
+    missing = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise VerispecError(f"{file.path} holds no tensor for the model's {', '.join(missing[:5])}{more}")
+
+
+@contextmanager
+def _one_name_map() -> Iterator[None]:
+    """transformers' ``get_gguf_hf_weights_map`` builds gguf-py's name map afresh for every module
+    it recurses into (30 ms each: 12 s for a 30-layer model). The map depends only on the
+    architecture and the layer count and is not changed once built, so while this lasts one map
+    per (architecture, layers) is built and shared."""
+    import gguf
+
+    build = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.cache(build)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = build
+
+
+def _takes_blocks(module: nn.Module | None) -> bool:
+    """Whether ``module`` is replaced by a GGUF module that keeps its weight's blocks: a Linear, or
+    a plain Embedding (a subclass such as Gemma's scaled embedding does more in its forward, and
+    keeps a float table)."""
+    return isinstance(module, nn.Linear) or type(module) is nn.Embedding
+
+
+def _block_module(module: nn.Module, tensor: GGUFTensor, processor: Any, names: dict[str, str]) -> nn.Module:
+    """A GGUFLinear or GGUFEmbedding over ``tensor``'s blocks (rows reordered as transformers would)."""
+    embedding = isinstance(module, nn.Embedding)
+    if not embedding:
+        check_type(tensor.qtype, tensor.name)
+    shape = (
+        (module.num_embeddings, module.embedding_dim)
+        if embedding
+        else (module.out_features, module.in_features)
+    )
+    if tuple(tensor.shape) != shape:
+        raise VerispecError(f"{tensor.name} is {tensor.shape} in the file where the model needs {shape}")
+    data = tensor.data
+    order = _row_order(processor, tensor, names)
+    if order is not None:
+        data = np.ascontiguousarray(data[order])  # whole rows of blocks: exact
+    if embedding:
+        return GGUFEmbedding(tensor.qtype, data, shape)
+    bias = module.bias
+    if bias is not None and bias.device.type == "meta":
+        raise VerispecError(f"{tensor.name} has no bias tensor in the file where the model needs one")
+    return GGUFLinear(tensor.qtype, data, shape, bias)
+
+
+def _row_order(processor: Any, tensor: GGUFTensor, names: dict[str, str]) -> np.ndarray | None:
+    """The row order transformers' tensor processor gives ``tensor`` (None: as stored).
+
+    Found by processing the row indices instead of the values: a pure row reorder moves them the
+    same way. Anything else (a transpose, a change of values, a tensor moved elsewhere) cannot be
+    done on blocks and is refused."""
+    rows = tensor.shape[0]
+    index = np.arange(rows, dtype=np.float64)
+    probe = np.stack([index, index + rows], axis=1)  # two columns: a transpose or a mix shows
+    try:
+        result = processor.process(
+            weights=probe, name=tensor.name, tensor_key_mapping=names, parsed_parameters={"tensors": {}}
+        )
+        out = np.asarray(result.weights)
+        order = out[:, 0].astype(np.int64)
+        ok = (
+            result.name == tensor.name
+            and out.shape == probe.shape
+            and np.array_equal(out[:, 1], out[:, 0] + rows)
+            and np.array_equal(np.sort(order), np.arange(rows))
+        )
+    except (ValueError, IndexError, TypeError, KeyError):
+        ok = False
+    if not ok:
+        raise VerispecError(
+            f"{tensor.name}: transformers transforms this {tensor.qtype.name} tensor beyond reordering its "
+            "rows when it loads this architecture, which cannot be done on its blocks; use --quantization "
+            "auto, none, int8 or int4 for this model"
+        )
+    return None if np.array_equal(order, np.arange(rows)) else order
+
+
+def _float_values(
+    processor: Any, tensor: GGUFTensor, names: dict[str, str]
+) -> list[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 value) for a tensor that becomes float parameters, exactly as
+    transformers' GGUF loader makes them (de-quantize, its processor, float32); [] for a tensor
+    the model has no place for (the loader skips those too)."""
+    parsed: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}
+    weights = quants.dequantize(tensor.data, tensor.qtype)
+    result = processor.process(
+        weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed
+    )
+    out = [(name, value.to(torch.float32)) for name, value in parsed["tensors"].items()]
+    if result.name in names:
+        out.append((names[result.name], torch.from_numpy(np.copy(result.weights)).to(torch.float32)))
+    return out
+
+
+def _set_tensor(module: nn.Module, leaf: str, value: torch.Tensor, name: str) -> None:
+    """Replace the (meta) parameter or buffer ``leaf`` of ``module`` by ``value``, same shape."""
+    old = module._parameters.get(leaf) if leaf in module._parameters else module._buffers.get(leaf)
+    if old is None:
+        raise VerispecError(f"the file holds {name}, which the model has no place for")
+    if tuple(old.shape) != tuple(value.shape):
+        raise VerispecError(
+            f"{name} is {tuple(value.shape)} in the file where the model needs {tuple(old.shape)}"
+        )
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+def _tie_head(model: nn.Module, file: GGUFFile, processor: Any, names: dict[str, str]) -> None:
+    """A head still empty is tied to the token embedding (the file has no ``output.weight``): a
+    GGUFLinear over the embedding tensor's blocks (even where the embedding itself keeps a float
+    table), or the embedding's float table where the file stores it in floats."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.weight.device.type != "meta":
+        return
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return  # left empty: reported as missing
+    embedding = model.get_input_embeddings()
+    modules = {m: n for n, m in model.named_modules()}
+    source = {hf: gguf for gguf, hf in names.items()}.get(f"{modules[embedding]}.weight")
+    tensor = next((t for t in file.tensors if t.name == source), None)
+    if tensor is None or tensor.qtype in FLOAT_TYPES:
+        head.weight = embedding.weight
+    else:
+        model.set_submodule(modules[head], _block_module(head, tensor, processor, names))

@@ -1,0 +1,489 @@
+// A Linear over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+// for x86 CPUs with AVX-512 VNNI or AVX2 (+ FMA, F16C); a portable scalar build elsewhere (correct,
+// slow: the native path is chosen by default only where a vector build is there).
+//
+// Why: the file's 4-6-bit blocks are what llama.cpp multiplies by. Running them as they are keeps
+// llama.cpp's weights to the bit (no float32 copy, no second rounding) and reads ~4.5-6.6 bits per
+// weight per token.
+//
+// Weight format (gguf_linear.py packs it from the blocks, exactly): output channels in tiles of 16;
+// inputs in groups of G (32, or 16 for Q6_K). Every weight is w = S_g * c + O_g with an unsigned code c
+// and, per channel and group, a scale S_g and offset O_g:
+//   - "k" formats (Q4_K, Q5_K, Q6_K): S_g = D * sc_g and O_g = -(M * mn_g), with D, M float32 per
+//     channel and super-block of 256 inputs and sc_g, mn_g int8 per channel and group (the products
+//     are exact in float32: D and M are float16 values, sc and mn at most 8 bits);
+//   - "legacy" formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): S_g and O_g float16 per channel and group.
+// Codes: 4 low bits as nibbles, per tile and group G/8 vectors of 64 bytes whose byte 4c + j holds
+// channel c's input 8t + j (low nibble) and 8t + 4 + j (high); then, for 5- and 6-bit codes, one
+// more 64-byte vector per group whose byte 4c + j holds the P high bits (P = 1 or 2) of the codes of
+// unpacked vector v = 0 .. G/4 - 1 (input 4v + j) at bits P v .. P v + P - 1: one shift, mask and or
+// per unpacked vector puts them in place (llama.cpp's Q6_K keeps its 2 high bits the same way).
+// Q8_0's codes (q + 128) are whole bytes instead: G/4 vectors whose byte 4c + j is input 4v + j.
+// Q6_K's offsets need no int8 of their own (mn = sc): its group scales hold sc only.
+//
+// Activations are quantized per row and unit U of inputs (256 for "k" formats, G for legacy ones), as
+// llama.cpp's Q8_K and Q8_0: a = round(x * 127 / max|x|) with scale xs. Then, per row m and channel n,
+//   y[m, n] = sum_u sum_{g in u} (xs_u * S_g) * (sum_i c_i * a_i) + (xs_u * O_g) * (sum_i a_i) + bias[n].
+// Each 32-bit lane of a product vector holds one channel (16 channels x 4 inputs per VNNI product,
+// against the row's 4 activation bytes broadcast), so a group costs G/4 products, one conversion and
+// three multiply(-add)s per row and tile; unpacking the codes is done once per tile for every row.
+//
+// Exact batch invariance: each output element is computed by one thread with the same sequence of
+// operations whatever the number of rows in the call and wherever its row sits (threads split the
+// tiles; rows only repeat the same per-row sequence), so a token scores the same decoded alone or
+// verified beside drafts. Built with -ffp-contract=off (native.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VERISPEC_GGUF_AVX512 1
+#define VERISPEC_GGUF_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VERISPEC_GGUF_AVX512 0
+#define VERISPEC_GGUF_AVX2 1
+#else
+#define VERISPEC_GGUF_AVX512 0
+#define VERISPEC_GGUF_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;      // output channels per tile: one per 32-bit lane
+// Activation rows per pass over a tile: what the accumulators leave of the vector registers (32
+// with AVX-512, 16 with AVX2).
+constexpr int64_t kRowBlock = VERISPEC_GGUF_AVX2 ? 4 : 8;
+constexpr int64_t kPrefetch = 1024;
+
+// Formats, as gguf_linear.py numbers them.
+enum Format : int64_t { LEG4 = 0, LEG5 = 1, LEG8 = 2, K4 = 3, K5 = 4, K6 = 5 };
+
+struct Spec {
+  int64_t group, unit, planes;
+  bool bytes, kq;
+  int64_t iscales;  // int8 group scales per channel and group ("k": sc and mn, or sc alone)
+};
+
+Spec spec_of(int64_t fmt) {
+  switch (fmt) {
+    case LEG4: return {32, 32, 0, false, false, 0};
+    case LEG5: return {32, 32, 1, false, false, 0};
+    case LEG8: return {32, 32, 0, true, false, 0};
+    case K4: return {32, 256, 0, false, true, 2};
+    case K5: return {32, 256, 1, false, true, 2};
+    case K6: return {16, 256, 2, false, true, 1};
+  }
+  TORCH_CHECK(false, "gguf_linear: unknown format ", fmt);
+}
+
+// Bytes of codes, planes per tile and group.
+inline int64_t code_bytes(const Spec& s) { return s.bytes ? kTile * s.group : kTile * s.group / 2; }
+inline int64_t plane_bytes(const Spec& s) { return s.planes ? 64 : 0; }
+
+// Quantized activations: q [M, K] int8, per row and unit the scale xs, per row and group the sum of
+// the quantized values times that unit's scale (the offset term's factor).
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> xs, axs;
+};
+
+void quantize_row(const float* x, int64_t K, const Spec& s, int8_t* q, float* xs, float* axs) {
+  const int64_t units = K / s.unit, per_unit = s.unit / s.group;
+  for (int64_t u = 0; u < units; ++u) {
+    const float* xu = x + u * s.unit;
+    float amax = 0.f;
+    for (int64_t i = 0; i < s.unit; ++i) amax = std::fmax(amax, std::fabs(xu[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const float scale = amax / 127.f;
+    xs[u] = scale;
+    for (int64_t g = 0; g < per_unit; ++g) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < s.group; ++i) {
+        float v = std::nearbyint(xu[g * s.group + i] * inv);
+        v = std::fmin(127.f, std::fmax(-127.f, v));
+        const int8_t c = static_cast<int8_t>(v);
+        q[u * s.unit + g * s.group + i] = c;
+        sum += c;
+      }
+      axs[u * per_unit + g] = static_cast<float>(sum) * scale;
+    }
+  }
+}
+
+Acts quantize_rows(const float* x, int64_t M, int64_t K, const Spec& s) {
+  Acts a;
+  const int64_t units = K / s.unit, groups = K / s.group;
+  a.q.resize(M * K);
+  a.xs.resize(M * units);
+  a.axs.resize(M * groups);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, K, s, a.q.data() + m * K, a.xs.data() + m * units, a.axs.data() + m * groups);
+  });
+  return a;
+}
+
+// A packed weight's arrays and sizes.
+struct Weights {
+  const uint8_t* codes;
+  const uint8_t* planes;
+  const float* kscale;     // "k": [tiles, units, 2, 16] (D, M)
+  const int8_t* kint;      // "k": [tiles, groups, 2 or 1, 16] (sc, mn or sc alone)
+  const uint16_t* lscale;  // legacy: [tiles, groups, 2, 16] (S, O) float16
+  int64_t K, N, groups, units;
+};
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// Scalar reference of the per-tile products (any CPU): the same sums in the same order per row as
+// the vector build would be too much to promise, so the scalar build is its own, consistent path.
+void tile_scalar(const Weights& w, const Spec& s, const Acts& a, const float* bias, float* y, int64_t tile,
+                 int64_t m0, int64_t rows) {
+  const int64_t per_unit = s.unit / s.group;
+  const uint8_t* codes = w.codes + tile * w.groups * code_bytes(s);
+  const uint8_t* planes = w.planes + tile * w.groups * plane_bytes(s);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    for (int64_t c = 0; c < kTile; ++c) {
+      const int64_t n = tile * kTile + c;
+      if (n >= w.N) break;
+      float acc = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const int64_t u = g / per_unit;
+        float S, O;
+        if (s.kq) {
+          const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
+          const int8_t* sm = w.kint + ((tile * w.groups + g) * s.iscales) * kTile;
+          S = dm[c] * static_cast<float>(sm[c]);
+          O = -(dm[kTile + c] * static_cast<float>(sm[(s.iscales - 1) * kTile + c]));
+        } else {
+          const uint16_t* so = w.lscale + ((tile * w.groups + g) * 2) * kTile;
+          S = half_to_float(so[c]);
+          O = half_to_float(so[kTile + c]);
+        }
+        const uint8_t* cg = codes + g * code_bytes(s);
+        const uint8_t* pg = planes + g * plane_bytes(s);
+        const int8_t* ag = a.q.data() + m * w.K + g * s.group;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < s.group; ++i) {
+          int32_t code;
+          if (s.bytes) {
+            code = cg[(i / 4) * 64 + 4 * c + i % 4];
+          } else {
+            const uint8_t byte = cg[(i / 8) * 64 + 4 * c + i % 4];
+            code = (i % 8) < 4 ? (byte & 15) : (byte >> 4);
+            if (s.planes) code |= ((pg[4 * c + i % 4] >> (s.planes * (i / 4))) & ((1 << s.planes) - 1)) << 4;
+          }
+          dot += code * ag[i];
+        }
+        const float xs = a.xs[m * w.units + u];
+        acc += static_cast<float>(dot) * (xs * S) + O * a.axs[m * w.groups + g];
+      }
+      y[m * w.N + n] = acc + (bias != nullptr ? bias[n] : 0.f);
+    }
+  }
+}
+
+#if VERISPEC_GGUF_AVX512
+// Bits P v .. P v + P - 1 of each byte of `high`, moved to bits 4 .. 4 + P - 1 (16-bit shifts: what
+// crosses into a neighbouring byte lands outside the mask).
+template <int64_t P, int64_t V>
+inline __m512i high_bits(__m512i high) {
+  const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
+  constexpr int64_t at = P * V;
+  if constexpr (at < 4) return _mm512_and_si512(_mm512_slli_epi16(high, 4 - at), mask);
+  if constexpr (at == 4) return _mm512_and_si512(high, mask);
+  return _mm512_and_si512(_mm512_srli_epi16(high, at - 4), mask);
+}
+
+template <int64_t P, int64_t V, int64_t N>
+inline void add_high_bits(__m512i (&wv)[N], __m512i high) {
+  if constexpr (V < N) {
+    wv[V] = _mm512_or_si512(wv[V], high_bits<P, V>(high));
+    add_high_bits<P, V + 1>(wv, high);
+  }
+}
+
+// One tile (16 channels) for rows [m0, m0 + ROWS): G/4 weight vectors per group, unpacked once and
+// multiplied with every row's activations. The rows' integer sums are separate chains, interleaved,
+// so the products' latency overlaps.
+template <int64_t G, int64_t P, bool BYTES, bool KQ, int64_t ROWS>
+void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
+  constexpr int64_t kVecs = G / 4;  // unpacked 64-byte weight vectors per group
+  constexpr int64_t kUnit = KQ ? 256 : G;
+  constexpr int64_t kPerUnit = kUnit / G;
+  constexpr int64_t kCodeBytes = BYTES ? kTile * G : kTile * G / 2;
+  constexpr int64_t kHighBytes = P ? 64 : 0;
+  constexpr int64_t kIScales = (KQ && P == 2) ? 1 : 2;  // Q6_K: mn = sc
+  const int64_t groups = w.groups, K = w.K;
+  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
+  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 D = _mm512_setzero_ps(), Mv = _mm512_setzero_ps();
+  const int8_t* arow[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t u = g / kPerUnit;
+    const uint8_t* cg = codes + g * kCodeBytes;
+    for (int64_t line = 0; line < kCodeBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetch + line), _MM_HINT_T0);
+    if constexpr (P > 0) _mm_prefetch(reinterpret_cast<const char*>(highs + g * 64 + kPrefetch), _MM_HINT_T0);
+    __m512 S, O;
+    if constexpr (KQ) {
+      if (g % kPerUnit == 0) {
+        const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
+        D = _mm512_loadu_ps(dm);
+        Mv = _mm512_loadu_ps(dm + kTile);
+      }
+      const int8_t* sm = w.kint + ((tile * groups + g) * kIScales) * kTile;
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm))));
+      const __m512 mn = kIScales == 1 ? sc
+                                      : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile))));
+      S = _mm512_mul_ps(D, sc);
+      O = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(Mv, mn));
+    } else {
+      const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile;
+      S = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
+      O = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + kTile)));
+    }
+    __m512i wv[kVecs];
+    if constexpr (BYTES) {
+      for (int64_t v = 0; v < kVecs; ++v) wv[v] = _mm512_loadu_si512(cg + 64 * v);
+    } else {
+      for (int64_t t = 0; t < kVecs / 2; ++t) {
+        const __m512i bytes = _mm512_loadu_si512(cg + 64 * t);
+        wv[2 * t] = _mm512_and_si512(bytes, low4);
+        wv[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      }
+      if constexpr (P > 0) add_high_bits<P, 0>(wv, _mm512_loadu_si512(highs + g * 64));
+    }
+    __m512i d[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm512_setzero_si512();
+    for (int64_t v = 0; v < kVecs; ++v)
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t four;
+        std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
+        d[r] = _mm512_dpbusd_epi32(d[r], wv[v], _mm512_set1_epi32(four));
+      }
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 sx = _mm512_mul_ps(S, _mm512_set1_ps(a.xs[m * w.units + u]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]), sx, acc[r]);
+      acc[r] = _mm512_fmadd_ps(O, _mm512_set1_ps(a.axs[m * groups + g]), acc[r]);
+    }
+  }
+  const int64_t n0 = tile * kTile;
+  const int64_t valid = std::min<int64_t>(kTile, w.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < ROWS; ++r) _mm512_mask_storeu_ps(y + (m0 + r) * w.N + n0, mask, _mm512_add_ps(acc[r], b));
+}
+
+#elif VERISPEC_GGUF_AVX2
+// The same tile with AVX2 (no VNNI): each half of 8 channels at a time, u8 x s8 products summed in
+// pairs into int16 (maddubs) and then into int32 (madd), as llama.cpp's AVX2 dot products do. Codes
+// up to 6 bits keep a pair's sum below 2^15 (2 x 63 x 127). Q8_0's byte codes would not, so they run
+// signed: q = c - 128 against the activations with q's signs (|q| x sign(a, q), llama.cpp's trick),
+// which is exact and leaves no offset term (O = -128 S).
+template <int64_t G, int64_t P, bool BYTES, bool KQ, int64_t ROWS>
+void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
+  constexpr int64_t kVecs = G / 4;
+  constexpr int64_t kUnit = KQ ? 256 : G;
+  constexpr int64_t kPerUnit = kUnit / G;
+  constexpr int64_t kCodeBytes = BYTES ? kTile * G : kTile * G / 2;
+  constexpr int64_t kHighBytes = P ? 64 : 0;
+  constexpr int64_t kIScales = (KQ && P == 2) ? 1 : 2;
+  const int64_t groups = w.groups, K = w.K;
+  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
+  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
+  const int8_t* arow[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t n0 = tile * kTile + 8 * h;
+    if (n0 >= w.N) break;
+    __m256 acc[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 D = _mm256_setzero_ps(), Mv = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t u = g / kPerUnit;
+      const uint8_t* cg = codes + g * kCodeBytes + 32 * h;
+      __m256 S, O;
+      if constexpr (KQ) {
+        if (g % kPerUnit == 0) {
+          const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile + 8 * h;
+          D = _mm256_loadu_ps(dm);
+          Mv = _mm256_loadu_ps(dm + kTile);
+        }
+        const int8_t* sm = w.kint + ((tile * groups + g) * kIScales) * kTile + 8 * h;
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+        const __m256 mn = kIScales == 1 ? sc
+                                        : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + kTile))));
+        S = _mm256_mul_ps(D, sc);
+        O = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(Mv, mn));
+      } else {
+        const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile + 8 * h;
+        S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so)));
+        O = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + kTile)));
+      }
+      __m256i high = _mm256_setzero_si256();
+      if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + g * 64 + 32 * h));
+      __m256i d[ROWS];
+      for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm256_setzero_si256();
+      for (int64_t v = 0; v < kVecs; ++v) {
+        __m256i wv;
+        if constexpr (BYTES) {
+          wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * v));
+        } else {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
+          wv = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+          if constexpr (P > 0) {
+            const int64_t at = P * v;
+            const __m256i moved = at <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi64_si128(4 - at))
+                                          : _mm256_srl_epi16(high, _mm_cvtsi64_si128(at - 4));
+            wv = _mm256_or_si256(wv, _mm256_and_si256(moved, high_mask));
+          }
+        }
+        if constexpr (BYTES) {
+          const __m256i q = _mm256_xor_si256(wv, _mm256_set1_epi8(static_cast<char>(0x80)));
+          const __m256i mag = _mm256_abs_epi8(q);
+          for (int64_t r = 0; r < ROWS; ++r) {
+            int32_t four;
+            std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
+            const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(four), q);
+            d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), ones));
+          }
+        } else {
+          for (int64_t r = 0; r < ROWS; ++r) {
+            int32_t four;
+            std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
+            const __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(four));
+            d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const int64_t m = m0 + r;
+        const __m256 sx = _mm256_mul_ps(S, _mm256_set1_ps(a.xs[m * w.units + u]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), sx, acc[r]);
+        if constexpr (!BYTES) acc[r] = _mm256_fmadd_ps(O, _mm256_set1_ps(a.axs[m * groups + g]), acc[r]);
+      }
+    }
+    const int64_t valid = std::min<int64_t>(8, w.N - n0);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(valid)), lanes);
+    const __m256 b = bias != nullptr ? _mm256_maskload_ps(bias + n0, keep) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < ROWS; ++r) _mm256_maskstore_ps(y + (m0 + r) * w.N + n0, keep, _mm256_add_ps(acc[r], b));
+  }
+}
+#endif
+
+#if VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX2
+template <int64_t G, int64_t P, bool BYTES, bool KQ, int64_t ROWS = kRowBlock>
+void dispatch_rows(int64_t rows, const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile,
+                   int64_t m0) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return dispatch_rows<G, P, BYTES, KQ, ROWS - 1>(rows, w, a, bias, y, tile, m0);
+  }
+#if VERISPEC_GGUF_AVX512
+  tile_avx512<G, P, BYTES, KQ, ROWS>(w, a, bias, y, tile, m0);
+#else
+  tile_avx2<G, P, BYTES, KQ, ROWS>(w, a, bias, y, tile, m0);
+#endif
+}
+
+void tile_rows(int64_t fmt, int64_t rows, const Weights& w, const Acts& a, const float* bias, float* y,
+               int64_t tile, int64_t m0) {
+  switch (fmt) {
+    case LEG4: return dispatch_rows<32, 0, false, false>(rows, w, a, bias, y, tile, m0);
+    case LEG5: return dispatch_rows<32, 1, false, false>(rows, w, a, bias, y, tile, m0);
+    case LEG8: return dispatch_rows<32, 0, true, false>(rows, w, a, bias, y, tile, m0);
+    case K4: return dispatch_rows<32, 0, false, true>(rows, w, a, bias, y, tile, m0);
+    case K5: return dispatch_rows<32, 1, false, true>(rows, w, a, bias, y, tile, m0);
+    case K6: return dispatch_rows<16, 2, false, true>(rows, w, a, bias, y, tile, m0);
+  }
+}
+#endif
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes,
+                       const at::Tensor& fscales, const at::Tensor& iscales, const std::optional<at::Tensor>& bias,
+                       int64_t fmt, int64_t out_features) {
+  const Spec s = spec_of(fmt);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32");
+  const int64_t K = x.size(-1), N = out_features;
+  TORCH_CHECK(K % s.unit == 0, "gguf_linear: ", K, " inputs is not a multiple of ", s.unit);
+  const int64_t tiles = (N + kTile - 1) / kTile, groups = K / s.group, units = K / s.unit;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.numel() == tiles * groups * code_bytes(s),
+              "gguf_linear: codes do not match ", N, " x ", K);
+  TORCH_CHECK(planes.scalar_type() == at::kByte && planes.numel() == tiles * groups * plane_bytes(s),
+              "gguf_linear: bit planes do not match");
+  if (s.kq) {
+    TORCH_CHECK(fscales.scalar_type() == at::kFloat && fscales.numel() == tiles * units * 2 * kTile,
+                "gguf_linear: bad super-block scales");
+    TORCH_CHECK(iscales.scalar_type() == at::kChar && iscales.numel() == tiles * groups * s.iscales * kTile,
+                "gguf_linear: bad group scales");
+  } else {
+    TORCH_CHECK(fscales.scalar_type() == at::kHalf && fscales.numel() == tiles * groups * 2 * kTile,
+                "gguf_linear: bad group scales");
+  }
+  const at::Tensor cc = codes.contiguous(), pc = planes.contiguous(), fc = fscales.contiguous(),
+                   ic = iscales.contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const at::Tensor xc = x.reshape({-1, K}).contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.reshape(out_shape);
+  at::Tensor bc;
+  const float* bptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bc.numel() == N, "gguf_linear: bias must have ", N, " elements");
+    bptr = bc.data_ptr<float>();
+  }
+  const Acts a = quantize_rows(xc.data_ptr<float>(), M, K, s);
+  Weights w{cc.data_ptr<uint8_t>(),
+            pc.numel() ? pc.data_ptr<uint8_t>() : nullptr,
+            s.kq ? fc.data_ptr<float>() : nullptr,
+            s.kq ? ic.data_ptr<int8_t>() : nullptr,
+            s.kq ? nullptr : reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()),
+            K, N, groups, units};
+  float* yp = y.data_ptr<float>();
+  // Threads split the tiles only: which thread computes (m, n), and how, never depends on M.
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+        const int64_t rows = std::min(kRowBlock, M - m0);
+#if VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX2
+        tile_rows(fmt, rows, w, a, bptr, yp, t, m0);
+#else
+        tile_scalar(w, s, a, bptr, yp, t, m0, rows);
+#endif
+      }
+  });
+  return y.reshape(out_shape);
+}
+
+bool gguf_linear_vectorized() { return VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX2; }
+
+}  // namespace
+
+TORCH_LIBRARY(verispec_gguf, m) {
+  m.def("gguf_linear(Tensor x, Tensor codes, Tensor planes, Tensor fscales, Tensor iscales, Tensor? bias, int fmt, "
+        "int out_features) -> Tensor");
+  m.def("gguf_linear_vectorized() -> bool", &gguf_linear_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(verispec_gguf, CPU, m) { m.impl("gguf_linear", gguf_linear); }
