@@ -3,9 +3,10 @@
 ``verispec bench quality`` (:mod:`verispec.bench.quality`) measures what verispec's own
 quantization costs against float32 of the same weights. A user choosing between verispec and
 llama.cpp asks something else: given the GGUF file they already run in llama.cpp, how close is what
-verispec computes from it? verispec de-quantizes the GGUF and runs its own kernels (int8, int4, or
-float weights), llama.cpp runs the file's 4-bit blocks as shipped, so the two differ, and this
-measures by how much, in the units a user feels:
+verispec computes from it? By default verispec runs the file's own blocks with its own kernels
+(``gguf``: the same weights, activations quantized as llama.cpp's are but summed in another order),
+or re-quantized (int8, int4) or float weights; llama.cpp runs the blocks as shipped. So the two
+differ a little or more, and this measures by how much, in the units a user feels:
 
 1. llama.cpp (llama-cpp-python, in a process of its own as for the speed baselines,
    :class:`~verispec.bench.llamacpp_baselines.LlamaCppWorker`) writes a greedy reply to each
