@@ -31,7 +31,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -43,9 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verispec.bench.model_load_llamacpp import current_rss_mb, peak_rss_mb
+
 SCHEMA = "verispec-bench-load/1"
 SIDES = ("verispec", "llama.cpp")
 LLAMACPP_WORKER = Path(__file__).with_name("model_load_llamacpp.py")
+"""The llama.cpp side, run as a script; its memory helpers are stdlib-only, so both sides share them."""
 WAIT4_PEAK = "wait4: the worker died before reporting; at least this benchmark's own memory at the fork"
 """Where the peak of a side that crashed comes from (``ru_maxrss`` of ``wait4``, which Linux carries
 over from the parent, so a small number here says little)."""
@@ -124,35 +126,6 @@ class SideResult:
 
 
 # -- measuring, inside a worker process -------------------------------------------------------------
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB, file pages it mapped included.
-
-    On Linux, ``VmHWM``: the high-water mark of the memory of the program this process runs. Not
-    ``ru_maxrss``, which Linux carries across fork and exec: a worker started by a parent holding
-    300 MB of imports would report at least those 300 MB, whatever it used itself. Elsewhere
-    ``ru_maxrss`` (KiB on Linux, bytes on macOS) is all there is.
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
-
-
-def current_rss_mb() -> float | None:
-    """Resident memory now, in MiB (Linux ``/proc``; None elsewhere)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as fh:
-            pages = int(fh.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
 
 
 def measure_verispec(settings: dict[str, Any]) -> dict[str, Any]:

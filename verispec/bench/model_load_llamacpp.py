@@ -34,8 +34,14 @@ from typing import Any
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory in MiB: ``VmHWM`` where Linux has it, as in ``model_load.peak_rss_mb``
-    (``ru_maxrss`` would include the parent's memory at the fork)."""
+    """This process's peak resident memory in MiB, file pages it mapped included.
+
+    On Linux, ``VmHWM``: the high-water mark of the memory of the program this process runs. Not
+    ``ru_maxrss``, which Linux carries across fork and exec: a worker started by a parent holding
+    300 MB of imports would report at least those 300 MB, whatever it used itself. Elsewhere
+    ``ru_maxrss`` (KiB on Linux, bytes on macOS) is all there is. (Both sides of the benchmark use
+    this one: it lives here because this module may import nothing but the standard library.)
+    """
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
             for line in fh:
@@ -48,6 +54,7 @@ def peak_rss_mb() -> float:
 
 
 def current_rss_mb() -> float | None:
+    """Resident memory now, in MiB (Linux ``/proc``; None elsewhere)."""
     try:
         with open("/proc/self/statm", encoding="ascii") as fh:
             pages = int(fh.read().split()[1])
