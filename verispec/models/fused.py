@@ -101,8 +101,6 @@ def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
     kinds = {type(m) for m in members}
     if len(kinds) != 1 or not kinds & {RowwiseInt8Linear, Int4Linear, GGUFLinear}:
         return None
-    if kinds == {GGUFLinear}:
-        return GGUFLinear.concatenate(members)  # type: ignore[arg-type]
     if len({m.in_features for m in members}) != 1:  # type: ignore[union-attr]
         return None
     biases = [
@@ -110,6 +108,8 @@ def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
         for m in members
     ]
     bias = torch.cat(biases) if any(m.bias is not None for m in members) else None  # type: ignore[union-attr]
+    if kinds == {GGUFLinear}:
+        return GGUFLinear.concatenate(members, bias)  # type: ignore[arg-type]
     if kinds == {RowwiseInt8Linear}:
         weights, scales = zip(*(m.int8_parts() for m in members), strict=True)  # type: ignore[arg-type]
         return RowwiseInt8Linear(torch.cat(weights), torch.cat(scales), bias)

@@ -289,17 +289,13 @@ class GGUFLinear(nn.Module):
         why = kernel_error()
         if why is not None:
             raise VerispecError(f"GGUF weights cannot run natively here: {why}")
-        self.qtype = qtype
-        self.fmt = _FORMATS[_FORMAT_OF[qtype]][0]
-        self.out_features, self.in_features = shape
+        out_features, in_features = shape
         unit = _FORMATS[_FORMAT_OF[qtype]][2]
-        if self.in_features % unit:
-            raise VerispecError(
-                f"a {qtype.name} weight needs a multiple of {unit} inputs, not {self.in_features}"
-            )
+        if in_features % unit:
+            raise VerispecError(f"a {qtype.name} weight needs a multiple of {unit} inputs, not {in_features}")
         data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
-        if data.shape[0] != self.out_features:
-            raise VerispecError(f"{data.shape[0]} rows of blocks for {self.out_features} outputs")
+        if data.shape[0] != out_features:
+            raise VerispecError(f"{data.shape[0]} rows of blocks for {out_features} outputs")
         # A slice of rows at a time: the codes are unpacked to a byte each (and wider on the way),
         # which for a whole 128k-row LM head would be gigabytes of temporaries.
         chunks = [
@@ -311,9 +307,7 @@ class GGUFLinear(nn.Module):
             for name in chunks[0]
         }
         del chunks
-        for name, value in parts.items():
-            self.register_buffer(name, value, persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+        self._adopt(qtype, parts, shape, bias)
 
     @classmethod
     def from_parts(
@@ -322,13 +316,19 @@ class GGUFLinear(nn.Module):
         """A layer over arrays already in the kernel's layout (fusion and row cuts build these)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.qtype = qtype
-        layer.fmt = _FORMATS[_FORMAT_OF[qtype]][0]
-        layer.out_features, layer.in_features = shape
-        for name, value in parts.items():
-            layer.register_buffer(name, value.contiguous(), persistent=False)
-        layer.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+        layer._adopt(qtype, parts, shape, bias)
         return layer
+
+    def _adopt(
+        self, qtype: Q, parts: dict[str, torch.Tensor], shape: tuple[int, int], bias: torch.Tensor | None
+    ) -> None:
+        """Take ``parts`` (the kernel's arrays) as this layer's weights: what both constructors end with."""
+        self.qtype = qtype
+        self.fmt = _FORMATS[_FORMAT_OF[qtype]][0]
+        self.out_features, self.in_features = shape
+        for name, value in parts.items():
+            self.register_buffer(name, value.contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     def parts(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in ("codes", "planes", "fscales", "iscales")}
@@ -345,23 +345,20 @@ class GGUFLinear(nn.Module):
         return GGUFLinear.from_parts(self.qtype, parts, (len(ids), self.in_features), bias)
 
     @staticmethod
-    def concatenate(members: list[GGUFLinear]) -> GGUFLinear | None:
-        """One layer over the members' outputs in turn (q, k and v; gate and up), or None where they
-        differ in type or inputs, or a member before the last has a padded tile (its zero channels
-        would shift the next member's)."""
+    def concatenate(members: list[GGUFLinear], bias: torch.Tensor | None) -> GGUFLinear | None:
+        """One layer over the members' outputs in turn (q, k and v; gate and up) with the members'
+        concatenated ``bias``, or None where they differ in type or inputs, or a member before the
+        last has a padded tile (its zero channels would shift the next member's)."""
         first = members[0]
         if any(m.qtype != first.qtype or m.in_features != first.in_features for m in members):
             return None
         if any(m.out_features % TILE for m in members[:-1]):
             return None
+        each = [m.parts() for m in members]
         parts = {
-            name: torch.cat([m.parts()[name] for m in members])
-            if first.parts()[name].numel()
-            else first.parts()[name]
-            for name in first.parts()
+            name: torch.cat([p[name] for p in each]) if value.numel() else value
+            for name, value in each[0].items()
         }
-        biases = [m.bias.detach() if m.bias is not None else torch.zeros(m.out_features) for m in members]
-        bias = torch.cat(biases) if any(m.bias is not None for m in members) else None
         shape = (sum(m.out_features for m in members), first.in_features)
         return GGUFLinear.from_parts(first.qtype, parts, shape, bias)
 
