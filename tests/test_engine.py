@@ -229,7 +229,7 @@ class _DraftOnceThenPause(FixedDepth):
 
 def test_steps_without_any_draft_relax_the_engine_wide_prior(tiny_target, tiny_draft):
     engine = make_engine(tiny_target, tiny_draft, "draft", k=4)
-    engine._policy = _DraftOnceThenPause()
+    engine.policy = _DraftOnceThenPause()
     gen = engine.generate(PROMPTS[0], max_new_tokens=30)
     assert gen.stats.num_drafted == 4 and gen.stats.num_accepted < 4  # one draft, rejected somewhere
     after_one = AcceptancePrior()

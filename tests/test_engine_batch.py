@@ -209,7 +209,7 @@ def test_proposer_state_stays_fresh_while_speculation_is_paused(tiny_target, tin
     draft = tiny_draft if method == "draft" else None
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     paused = engine_for(tiny_target, draft, method)
-    paused._policy = PauseThenSpeculate(15)
+    paused.policy = PauseThenSpeculate(15)
     got = paused.generate(prompt, max_new_tokens=60)
     want = engine_for(tiny_target, None, None).generate(prompt, max_new_tokens=60)
     assert got.token_ids == want.token_ids

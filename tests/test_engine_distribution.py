@@ -221,8 +221,8 @@ def accept_every_draft(
     generator: torch.Generator | None,
 ) -> VerifyResult:
     """A wrong verifier: keeps every draft token and adds a bonus token sampled from the target."""
-    bonus = int(sample(logits_to_probs(target_logits[draft.k], sampling), generator))
-    return VerifyResult([*draft.tokens.tolist(), bonus], draft.k, draft.k)
+    bonus = int(sample(logits_to_probs(target_logits[draft.size], sampling), generator))
+    return VerifyResult([*draft.tokens.tolist(), bonus], draft.size, draft.size)
 
 
 def recover_from_the_target(
@@ -246,7 +246,7 @@ def recover_from_the_target(
 def test_a_wrong_verifier_fails_the_same_check(
     target, draft, prefix_logits, monkeypatch, wrong_verifier, runs
 ):
-    monkeypatch.setattr("verispec.engine.verify", wrong_verifier)
+    monkeypatch.setattr("verispec.engine.core.make_verifier", lambda acceptance: wrong_verifier)
     sampling = SamplingConfig(temperature=1.0)
     tokens, totals = generate_all(make_engine(target, draft, 3), sampling, SEEDS[:runs])
     assert totals["drafted"] > 0
@@ -293,7 +293,7 @@ def test_penalties_keep_token_trees_exact(target, draft, prefix_logits):
 
 def test_penalties_for_the_wrong_context_fail_the_check(target, draft, prefix_logits, monkeypatch):
     """Power: penalising every row as if no draft token came before it (the easy mistake) is caught."""
-    monkeypatch.setattr("verispec.engine.chain_paths", lambda drafted: [[] for _ in range(len(drafted) + 1)])
+    monkeypatch.setattr(Draft, "row_paths", lambda draft: [[] for _ in range(draft.size + 1)])
     sampling = SamplingConfig(temperature=1.0)
     tokens, totals = generate_all(make_engine(target, draft, 3), sampling, SEEDS[:300], PENALTIES)
     assert totals["accepted"] > 0

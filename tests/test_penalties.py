@@ -14,7 +14,8 @@ from tests.tree_proposer import TopTwoTree
 from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
-from verispec.penalties import Penalties, adjust_logits, chain_paths, tree_paths
+from verispec.penalties import Penalties, adjust_logits
+from verispec.types import Draft
 
 STRONG = {
     "presence_penalty": 0.4,
@@ -51,15 +52,21 @@ def test_each_row_is_adjusted_for_its_own_context(penalties):
     vocab, prompt, output = 16, [1, 2, 2, 3], [3, 4, 4]
     tokens, parents = [4, 5, 4, 6, 1], [-1, 0, 1, -1, 3]  # a tree: 4-5-4 and 6-1
     logits = torch.randn(len(tokens) + 1, vocab, generator=gen) * 3
-    got = adjust_logits(logits, penalties, prompt, output, tree_paths(tokens, parents))
+    got = adjust_logits(logits, penalties, prompt, output, tree(tokens, parents).row_paths())
     paths = [[], [4], [4, 5], [4, 5, 4], [6], [6, 1]]
     for row, path in enumerate(paths):
         torch.testing.assert_close(got[row].double(), one_row(logits[row], penalties, prompt, output + path))
 
 
+def tree(tokens: list[int], parents: list[int]) -> Draft:
+    return Draft(torch.tensor(tokens), torch.tensor(parents))
+
+
 def test_paths():
-    assert chain_paths([7, 8]) == [[], [7], [7, 8]]
-    assert tree_paths([7, 8, 9], [-1, -1, 0]) == [[], [7], [8], [7, 9]]
+    """A chain is the tree whose parents are i - 1: its row j comes after draft tokens 0..j-1."""
+    assert Draft.chain(torch.tensor([7, 8])).row_paths() == [[], [7], [7, 8]]
+    assert tree([7, 8], [-1, 0]).row_paths() == [[], [7], [7, 8]]
+    assert tree([7, 8, 9], [-1, -1, 0]).row_paths() == [[], [7], [8], [7, 9]]
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,7 @@ def test_acceptance_estimate_learns_forgets_and_starts_from_the_prior():
 
 
 def test_one_rejection_does_not_price_a_draft_model_out_for_good():
-    """Session 6, Spec-Bench: one rejected k = 2 draft dropped the engine-wide prior to 0.53, below
+    """On Spec-Bench, one rejected k = 2 draft dropped the engine-wide prior to 0.53, below
     the int4 pair's break-even; nothing drafted again, so nothing could raise it. Steps without any
     draft now relax the prior back toward :data:`PRIOR_ACCEPTANCE`, so the pair is tried again."""
     int4_pair = StepCostModel(
@@ -162,7 +162,7 @@ def test_a_depth_the_policy_stopped_drafting_to_is_tried_again():
 def test_a_well_predicted_sequence_is_drafted_deeper_than_it_was_ever_measured():
     """Measured only at depth 1 (0.95 accepted), a draft model costing half a target step must be
     taken past k = 1, or depth 2 would never be measured. With the fixed prior (0.8) assumed at the
-    unmeasured depths, the policy stayed at k = 1 (int4 Qwen pair, session 6)."""
+    unmeasured depths, the policy stayed at k = 1 (int4 Qwen pair)."""
     int4_pair = StepCostModel(  # as measured by the engine for that pair
         Curve((1, 2, 4, 8, 16), (0.0403, 0.0431, 0.0521, 0.0818, 0.1518)),
         draft=Curve((1, 2, 4, 8, 16), (0.0211, 0.0224, 0.0273, 0.0376, 0.0641)),
@@ -187,8 +187,8 @@ def test_cost_model_corrects_its_scale_from_observed_steps():
 
 
 def test_each_token_count_learns_its_own_cost_and_more_tokens_never_look_cheaper():
-    """The start-up curve said 4 tokens cost 1.33x one; in the engine they cost 1.83x (AVX2 int4,
-    session 13). One scale for every count cannot learn that; one per count does."""
+    """The start-up curve said 4 tokens cost 1.33x one; in the engine they cost 1.83x (AVX2 int4).
+    One scale for every count cannot learn that; one per count does."""
     costs = StepCostModel(Curve((1, 2, 4, 8), (0.040, 0.046, 0.053, 0.090)))
     for _ in range(60):
         costs.observe_target(1, 0.040)
@@ -214,6 +214,7 @@ def test_start_up_curve_is_timed_round_robin_so_a_slow_spell_falls_on_every_poin
 
     class SlowStart:
         vocab_size = 50
+        max_context = 1 << 20
         calls = 0
 
         def new_cache(self) -> KVBuffer:
@@ -273,7 +274,7 @@ class CoinProposer(Proposer):
 
     def propose(self, state, token_ids, k):
         tokens = torch.multinomial(Q_DRAFT, k, replacement=True, generator=state)
-        return Draft(tokens=tokens, probs=Q_DRAFT.expand(k, 2).clone())
+        return Draft.chain(tokens, Q_DRAFT.expand(k, 2).clone())
 
     def update(self, state, token_ids, num_accepted, hidden=None):
         pass
@@ -289,8 +290,8 @@ def test_a_look_ahead_scheduler_biases_the_output():
     for _ in range(4000):
         x = int(torch.multinomial(Q_DRAFT, 1, generator=gen))
         anticipating = P_TARGET[x] >= Q_DRAFT[x]  # peeks at the target: not allowed
-        draft = Draft(tokens=torch.tensor([x]), probs=Q_DRAFT.unsqueeze(0)) if anticipating else Draft.empty()
-        result = verify(draft, P_TARGET.log().expand(draft.k + 1, 2), sampling, gen)
+        draft = Draft.chain(torch.tensor([x]), Q_DRAFT.unsqueeze(0)) if anticipating else Draft.empty()
+        result = verify(draft, P_TARGET.log().expand(draft.size + 1, 2), sampling, gen)
         counts[result.tokens[0]] += 1
     assert chi_square(counts, torch.tensor([0.85, 0.15]))[1] > 1e-3
     assert chi_square(counts, P_TARGET)[1] < 1e-9
@@ -318,7 +319,7 @@ def test_the_engine_stays_exact_whatever_the_depth_schedule(policy_name):
     )
     engine = SpecEngine(ConstantModel(), CoinProposer(), spec, costs=SATURATING)  # type: ignore[arg-type]
     if policy_name == "history":
-        engine._policy = HistoryPolicy([engine])
+        engine.policy = HistoryPolicy([engine])
     for seed in range(8):
         engine.add(engine.make_request([0], max_new_tokens=500, temperature=1.0, seed=seed))
     tokens, stats = [], []

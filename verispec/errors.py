@@ -24,3 +24,25 @@ class QueueFullError(VerispecError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class ConfigError(VerispecError):
+    """A setting's value is refused.
+
+    ``field`` is the setting's public name (``verispec.load``'s keyword, see :data:`verispec.config.NAMES`)
+    so that each front end can say it its own way: the CLI names the flag, the server answers with the
+    request field as OpenAI's ``param``. The message is ``"<field> <problem>"``; :meth:`named` puts
+    another name in front of the same problem.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field = field
+        self.problem = problem
+
+    def named(self, name: str) -> str:
+        """The message with the setting called ``name`` (``--top-p``, ``speculation.top_k``)."""
+        return f"{name} {self.problem}"
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # picklable despite two arguments
+        return (type(self), (self.field, self.problem))

@@ -3,8 +3,9 @@
 These adjustments depend on the text so far, so in a verification forward every row of the
 target's logits has its own context: row j of a chain comes after the committed tokens plus draft
 tokens ``0..j-1``; row i + 1 of a tree after the committed tokens plus the path to node i. Each row
-is adjusted for exactly that context, which makes it the row plain decoding would have adjusted
-at the same point. The verifiers then see the adjusted rows and keep what they keep, so the
+is adjusted for exactly that context (:meth:`Draft.row_paths <verispec.types.Draft.row_paths>`;
+a chain is the tree whose parents are i - 1), which makes it the row plain decoding would have
+adjusted at the same point. The verifiers then see the adjusted rows and keep what they keep, so the
 output follows the adjusted target distribution exactly, whatever the proposer drafted from.
 
 Semantics and order are vLLM's (what an OpenAI-API user migrating from it expects): ``logit_bias``
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.errors import VerispecError
+from verispec.errors import ConfigError, VerispecError
 
 if TYPE_CHECKING:
     from verispec.structured import Constraint
@@ -53,16 +54,16 @@ class Penalties:
     def __post_init__(self) -> None:
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-                raise VerispecError(
-                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}"
-                )
+                raise ConfigError(name, f"must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}")
         if not (math.isfinite(self.repetition) and self.repetition > 0):
-            raise VerispecError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition}")
+            raise ConfigError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition}")
         for token, bias in self.logit_bias:
             if token < 0:
-                raise VerispecError(f"logit_bias token ids must be >= 0, got {token}")
+                raise ConfigError("logit_bias", f"token ids must be >= 0, got {token}")
             if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
-                raise VerispecError(f"logit_bias values must be between -100 and 100, got {bias} for {token}")
+                raise ConfigError(
+                    "logit_bias", f"values must be between -100 and 100, got {bias} for {token}"
+                )
 
     @property
     def active(self) -> bool:
@@ -72,8 +73,8 @@ class Penalties:
         """Refuse a bias on a token id the model does not have."""
         bad = [t for t, _ in self.logit_bias if t >= vocab_size]
         if bad:
-            raise VerispecError(
-                f"logit_bias names token id {bad[0]}, but the vocabulary has {vocab_size} ids"
+            raise ConfigError(
+                "logit_bias", f"names token id {bad[0]}, but the vocabulary has {vocab_size} ids"
             )
 
 
@@ -171,17 +172,3 @@ class RequestRules:
 def _repeated(logits: torch.Tensor, penalty: float) -> torch.Tensor:
     """transformers' repetition penalty: toward zero if positive, further down if negative."""
     return torch.where(logits > 0, logits / penalty, logits * penalty)
-
-
-def chain_paths(draft_tokens: Sequence[int]) -> list[list[int]]:
-    """Row j of a chain's verification comes after draft tokens 0..j-1."""
-    return [list(draft_tokens[:j]) for j in range(len(draft_tokens) + 1)]
-
-
-def tree_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
-    """Row 0 is the root's (no drafted tokens before it); row i + 1 comes after the path to node i,
-    node i included."""
-    paths: list[list[int]] = [[]]
-    for token, parent in zip(tokens, parents, strict=True):
-        paths.append([*paths[parent + 1], token])
-    return paths

@@ -83,8 +83,8 @@ class AcceptancePrior:
     a sequence that once drafted badly is tried again later rather than never. The prior itself
     drifts back to its mean (:data:`PRIOR_ACCEPTANCE`) over steps in which nothing drafted (:meth:`relax`):
     otherwise one rejected draft (0.8 -> 0.53 at strength 2) could price a draft model out for the
-    rest of the process, since only verified drafts update it (Spec-Bench, session 6: one k = 2
-    rejection on the first prompt, then no draft in 900 steps).
+    rest of the process, since only verified drafts update it (on Spec-Bench one k = 2 rejection
+    on the first prompt once meant no draft in 900 steps; docs/design.md#acceptance-prior).
     """
 
     def __init__(self, forget: float = 0.97, mean: float = PRIOR_ACCEPTANCE) -> None:
@@ -126,7 +126,7 @@ class AcceptanceEstimate:
 
         Positions this draft did not reach forget a little, as on a step without speculation: else
         one rejection at depth 2 kept a draft model at k = 1 for good (depth 2 then never measured
-        again; HumanEval, session 8: 982 of 1012 steps at k = 1 with 91% accepted at depth 1)."""
+        again: on HumanEval 982 of 1012 steps at k = 1 with 91% accepted at depth 1)."""
         self.counts.observe(drafted, accepted, forget_unreached=self.forget_factor)
 
     def relax(self) -> None:
@@ -296,7 +296,7 @@ class AdaptiveDepth(DepthPolicy):
         least this much; a node below it could only ride along with better ones where the cost curve
         is flat, so this is a heuristic bound, not an exact one. It only ever shrinks what is
         drafted, from costs and past steps, so it cannot bias the output (for one sequence on the
-        1.5B int4 path it is about 0.2: NOTES.md, session 14)."""
+        1.5B int4 path it is about 0.2; docs/design.md#node-gain-floor)."""
         if not contexts or nodes < 1:
             return 0.0
         tokens, keys = len(contexts), float(sum(contexts))

@@ -129,8 +129,8 @@ class Constraint:
 
         For drafting: the verifier's rows (:meth:`masks`) are unchanged, and a forced token is a
         proposal like any other, checked by verification. It is a very good one: the target writes
-        the canonical tokens (31 of 31 forced positions in the 0.5B's JSON-mode replies, NOTES
-        session 28), and no drafter can guess a schema's key names better than the schema."""
+        the canonical tokens (31 of 31 forced positions in the 0.5B's JSON-mode replies),
+        and no drafter can guess a schema's key names better than the schema."""
         key = tuple(path)
         known = self._forced.get(key)
         if known is None:

@@ -1,4 +1,4 @@
-"""The benchmark prompt loaders, read from the real files in shared/data."""
+"""The benchmark prompt loaders, read from the real files packaged in verispec/data."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from verispec.bench.datasets import DATA_DIR_ENV, DEFAULT_DATA_DIR, BenchPrompt, load_dataset
+import verispec
+from verispec.bench.datasets import DATA_DIR_ENV, BenchPrompt, default_data_dir, load_dataset
+from verispec.data import dataset_dir
 from verispec.errors import VerispecError
-
-pytestmark = pytest.mark.skipif(
-    not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}"
-)
 
 SPEC_BENCH_SIZES = {
     "mt_bench": 80,
@@ -58,7 +56,7 @@ def test_humaneval_prompt_is_signature_and_docstring() -> None:
     assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in text
     assert text.rstrip().endswith('"""')  # ends with the docstring: the body is left to the model
     assert "return" not in text
-    with gzip.open(DEFAULT_DATA_DIR / "humaneval" / "HumanEval.jsonl.gz", "rt") as f:
+    with gzip.open(dataset_dir("humaneval") / "HumanEval.jsonl.gz", "rt") as f:
         raw = [json.loads(line) for line in f]
     assert [p.turns for p in prompts] == [[row["prompt"]] for row in raw]
 
@@ -110,6 +108,18 @@ def test_missing_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(DATA_DIR_ENV, str(missing))
     with pytest.raises(VerispecError, match="--data-dir"):
         load_dataset("mt_bench")
+
+
+def test_the_default_is_the_packaged_data_and_an_explicit_folder_overrides_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --data-dir or the variable, the prompts come from inside the package, so nothing
+    beside the repository (or beside an install) is needed; either one still wins."""
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    package = Path(verispec.__file__).resolve().parent
+    assert default_data_dir().resolve() == package / "data"
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path))
+    assert default_data_dir() == tmp_path
 
 
 def test_data_dir_from_argument_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

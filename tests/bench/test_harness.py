@@ -20,7 +20,7 @@ from tests.conftest import needs_smollm2
 from verispec.bench import llamacpp_baselines
 from verispec.bench.aggregate import Summary, summarize
 from verispec.bench.contenders import Skipped
-from verispec.bench.datasets import DEFAULT_DATA_DIR, BenchPrompt
+from verispec.bench.datasets import BenchPrompt
 from verispec.bench.harness import measure, resume_settings
 from verispec.bench.records import RECORDS_FILE, RecordLog, Turn
 from verispec.bench.report import write_outputs
@@ -57,7 +57,6 @@ COUNTS = {
 # One thread: on a shared 2-core machine, two threads contending with other work run several times slower.
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_bench_end_to_end_on_smollm2(tmp_path, capsys, restore_torch_threads):
     out = tmp_path / "results"
     argv = [
@@ -163,13 +162,13 @@ def test_llamacpp_is_skipped_with_a_clear_note_when_not_installed(monkeypatch):
         ({"datasets": ("gsm8k",)}, "unknown dataset"),
         ({"categories": ("poetry",)}, "valid categories"),
         ({"datasets": ("humaneval",), "categories": ("qa",)}, "in none of the datasets"),
-        ({"num_speculative_tokens": 0}, "-k"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),  # the CLI names its flag
         ({"max_new_tokens": 0}, "--max-new-tokens"),
         ({"limit_per_category": 0}, "--limit"),
         ({"warmup": -1}, "--warmup"),
-        ({"depth": "deep"}, "--depth-policy"),
-        ({"tree_nodes": 0}, "--tree-nodes"),
-        ({"tree_width": 0}, "--tree-width"),
+        ({"depth": "deep"}, "depth"),
+        ({"tree_nodes": 0}, "tree_nodes"),
+        ({"tree_width": 0}, "tree_width"),
         ({"heads": "/no/such/heads"}, "--heads /no/such/heads: no such folder"),
         ({"json_schema": [1]}, "--json-schema must be a JSON object"),
     ],
@@ -199,7 +198,6 @@ def test_cli_bench_reports_user_errors_in_one_line(capsys):
     assert err.startswith("verispec: error: unknown method lookahead") and "Traceback" not in err
 
 
-@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_json_mode_refuses_raw_completion_prompts_and_unreadable_schemas(tmp_path, capsys):
     """Both fail in a second, before a model loads (the target named here does not exist)."""
     assert main(["bench", "--target", "x", "--json-schema", "object", "--dataset", "humaneval"]) == 2
@@ -211,7 +209,6 @@ def test_json_mode_refuses_raw_completion_prompts_and_unreadable_schemas(tmp_pat
 
 
 @needs_smollm2
-@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_bench_json_mode_constrains_every_answer_and_stays_lossless(tmp_path, restore_torch_threads):
     """--json-schema: each user turn asks for the schema, every method's answer is JSON under it
     (compact, so it starts with the first key), equal to plain's, with drafts accepted; baselines
@@ -350,7 +347,6 @@ def test_resume_refuses_records_made_with_other_settings(tmp_path, capsys):
 
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_cli_resume_continues_a_smaller_run(tmp_path, capsys, restore_torch_threads):
     out = tmp_path / "results"
     argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,ngram", "-k", "3",
@@ -376,9 +372,8 @@ def test_cli_resume_continues_a_smaller_run(tmp_path, capsys, restore_torch_thre
 
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_bench_with_the_adaptive_policy_runs_every_learned_method_losslessly(tmp_path, restore_torch_threads):
-    """As issue 6's benchmark runs it: the depth policy picks each step's depth and tree size, for
+    """As the benchmark runs it by default: the depth policy picks each step's depth and tree size, for
     prompt lookup and the shipped Medusa and EAGLE heads alike; outputs stay equal to plain."""
     out = tmp_path / "results"
     argv = ["bench", "--target", "smollm2-135m-instruct", "--methods", "none,ngram,medusa,eagle",

@@ -1,8 +1,8 @@
 """llama.cpp runs in a process of its own: its protocol, and a crash that fails one prompt, not the run.
 
 The worker's protocol is tested with a fake ``Llama`` (no llama.cpp needed); the crash tests run a
-real worker process whose fake model kills itself with SIGSEGV, as session 20's AMX build of
-llama-cpp-python did. The real llama.cpp path runs in tests/bench/test_harness.py's end-to-end test
+real worker process whose fake model kills itself with SIGSEGV, as an AMX build of
+llama-cpp-python has done. The real llama.cpp path runs in tests/bench/test_harness.py's end-to-end test
 where the package is installed.
 """
 

@@ -14,7 +14,6 @@ import pytest
 from tests.bench.test_aggregate import counts, record
 from tests.conftest import needs_smollm2
 from verispec.bench import plan as p
-from verispec.bench.datasets import DEFAULT_DATA_DIR
 from verispec.cli import main
 from verispec.errors import VerispecError
 
@@ -216,7 +215,6 @@ def test_cli_plan_errors_are_one_line(tmp_path, capsys):
 
 @pytest.mark.slow
 @needs_smollm2
-@pytest.mark.skipif(not DEFAULT_DATA_DIR.is_dir(), reason=f"no benchmark data in {DEFAULT_DATA_DIR}")
 def test_plan_end_to_end_from_bench_forward_and_bench_on_smollm2(tmp_path, capsys, restore_torch_threads):
     out = str(tmp_path)
     model = ["--target", "smollm2-135m-instruct", "--threads", "1", "--out", out]

@@ -9,7 +9,6 @@ import torch
 
 from tests.conftest import tiny_llama
 from tests.models.failed_build import fail_build
-from verispec.heads import eagle
 from verispec.heads.eagle import DraftCache, DraftRows, EagleConfig, EagleDrafter, unrolled_masks
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead, float_lm_head_weight
@@ -99,15 +98,14 @@ def test_eagle_drafter_incremental_equals_one_pass(tiny_target):
 
 
 @pytest.mark.parametrize("native_ops", [False, True], ids=["torch-ops", "layer-ops"])
-def test_eagle_drafting_step_computes_what_forward_does(tiny_target, native_ops, monkeypatch):
+def test_eagle_drafting_step_computes_what_forward_does(tiny_target, native_ops):
     """The drafting pass (:meth:`EagleDrafter.step`: two sequences in one call, each attending over
     its own cache in place, one with a tree mask over scratch slots) gives forward()'s outputs,
     with torch's operations and with the C++ layer operations alike, and commits only true pairs."""
-    monkeypatch.setattr(eagle, "use_native", native_ops)
     if native_ops and native.load(NATIVE_SOURCE) is not None:
         pytest.skip("the C++ layer operations did not build here")
     torch.manual_seed(0)
-    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target), native_ops=native_ops).eval()
     emb, feat = torch.randn(2, 7, 64), torch.randn(2, 7, 64)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
     with torch.no_grad():
@@ -150,9 +148,9 @@ def test_a_failed_layer_ops_build_warns_and_drafts_with_torch_s_operations(tiny_
         rows = DraftRows(DraftCache(drafter.config), 0, torch.arange(4), causal)
         return drafter.step(emb, feat, [rows])
 
-    monkeypatch.setattr(eagle, "use_native", False)
+    drafter.native_ops = False
     want = run()
-    monkeypatch.setattr(eagle, "use_native", True)
+    drafter.native_ops = True
     fail_build(monkeypatch, NATIVE_SOURCE)
     with pytest.warns(UserWarning, match="EAGLE drafting keeps torch's operations"):
         got = run()

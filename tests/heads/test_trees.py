@@ -1,4 +1,4 @@
-"""Draft-tree builders: the best paths by score, in DraftTree order (parents first, siblings by score)."""
+"""Draft-tree builders: the best paths by score, in a draft's order (parents first, siblings by score)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from verispec.heads.trees import best_subtree, product_tree
-from verispec.verify.tree import DraftTree
+from verispec.types import Draft
 
 
-def paths_of(tree: DraftTree) -> list[tuple[int, ...]]:
+def paths_of(tree: Draft) -> list[tuple[int, ...]]:
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     out: list[tuple[int, ...]] = []
     for i, p in enumerate(parents):
@@ -20,7 +20,7 @@ def paths_of(tree: DraftTree) -> list[tuple[int, ...]]:
     return out
 
 
-def check_order(tree: DraftTree, score: dict[tuple[int, ...], float]) -> None:
+def check_order(tree: Draft, score: dict[tuple[int, ...], float]) -> None:
     paths = paths_of(tree)
     assert all(p < i for i, p in enumerate(tree.parents.tolist()))  # parents before children
     for siblings in tree.children():
@@ -120,7 +120,7 @@ def test_best_subtree_is_closed_under_parents_and_ordered():
     parents = [-1, -1, -1, 0, 0, 1, 1, 2, 2]
     scores = [-0.1, -1.0, -2.0, -0.3, -3.0, -1.1, -1.2, -2.1, -2.5]
     tree = best_subtree(tokens, parents, scores, nodes=5)
-    all_paths = paths_of(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
+    all_paths = paths_of(Draft(torch.tensor(tokens), torch.tensor(parents)))
     score = dict(zip(all_paths, scores, strict=True))
     got = paths_of(tree)
     assert set(got) == {(10,), (10, 20), (11,), (11, 22), (11, 23)}

@@ -94,7 +94,7 @@ def test_real_head_shapes_across_key_blocks(heads, kv_heads, dim):
         assert torch.equal(_op(q[:, s : s + 1].contiguous(), keys, values, start + s)[0], together[s])
 
 
-def test_the_model_scores_as_with_the_python_loop(monkeypatch):
+def test_the_model_scores_as_with_the_python_loop():
     lm = HFCausalLM(tiny_llama(2), name="float32")  # float weights: the difference is rounding only
     ids = [(3 * i + 1) % 96 for i in range(30)]
 
@@ -106,7 +106,7 @@ def test_the_model_scores_as_with_the_python_loop(monkeypatch):
         )
 
     native_logits = run()
-    monkeypatch.setattr(attention, "use_native", False)
+    lm.native_attention = False
     python_logits = run()
     torch.testing.assert_close(native_logits, python_logits, rtol=1e-4, atol=1e-4)
     assert native_logits.argmax(-1).tolist() == python_logits.argmax(-1).tolist()
@@ -121,9 +121,9 @@ def test_a_failed_build_warns_once_and_keeps_the_python_loop(monkeypatch):
         lm.forward(ids[:, :8], cache)
         return lm.forward(ids[:, 8:], cache, logits_to_keep=4).logits[0]
 
-    monkeypatch.setattr(attention, "use_native", False)
+    lm.native_attention = False
     want = run()
-    monkeypatch.setattr(attention, "use_native", True)
+    lm.native_attention = True
     fail_build(monkeypatch, attention.NATIVE_SOURCE)
     with pytest.warns(UserWarning, match="rowwise_attention.cpp failed: no g"):
         got = run()

@@ -10,7 +10,8 @@ from tests.conftest import tiny_llama
 from verispec.models.hf import HFCausalLM
 from verispec.models.kv import KVBuffer
 from verispec.models.quant import quantize_int8_dynamic
-from verispec.verify.tree import DraftTree, tree_attention_inputs
+from verispec.types import Draft
+from verispec.verify.tree import tree_attention_inputs
 
 
 def test_buffer_grows_trims_and_clones():
@@ -119,16 +120,16 @@ def test_a_token_tree_scores_each_branch_as_if_alone(int8_lm):
     assert torch.equal(out[2], chain([r, b])[1])
 
 
-def test_compacting_a_tree_to_its_accepted_path_equals_feeding_the_path(int8_lm):
+def test_rolling_a_tree_back_to_its_accepted_path_equals_feeding_the_path(int8_lm):
     lm = int8_lm
-    tree = DraftTree(tokens=torch.tensor([12, 13, 14]), parents=torch.tensor([-1, -1, 0]))  # r->{a, b}, a->c
+    tree = Draft(tokens=torch.tensor([12, 13, 14]), parents=torch.tensor([-1, -1, 0]))  # r->{a, b}, a->c
     cache = lm.new_cache()
     lm.forward(torch.tensor([[5, 6, 7]]), cache)
     positions, mask = tree_attention_inputs(tree, start=3)
     lm.forward_batch(
         [cache], [[11, 12, 13, 14]], logits_to_keep=[4], positions=[positions], tree_masks=[mask]
     )
-    cache.compact(3, [0, 1, 3])  # keep r, a, c
+    cache.rollback(3, [0, 1, 3])  # keep r, a, c
     chain = lm.new_cache()
     lm.forward(torch.tensor([[5, 6, 7]]), chain)
     lm.forward(torch.tensor([[11, 12, 14]]), chain, logits_to_keep=3)

@@ -51,8 +51,9 @@ MODELS = _models()
 SCHEMES = ["none", "int8", pytest.param("int4", marks=needs_int4)]
 
 
-def _pair(family: str, scheme: str) -> tuple[HFCausalLM, HFCausalLM]:
-    """The same weights twice: one run by the lean forward, one by transformers'."""
+def _pair(family: str, scheme: str, native_layers: bool = True) -> tuple[HFCausalLM, HFCausalLM]:
+    """The same weights twice: one run by the lean forward (with the C++ layer operations or
+    torch's, ``native_layers``), one by transformers'."""
     model = copy.deepcopy(MODELS[family])
     if scheme != "none":
         model = quantize_model(model, scheme)
@@ -60,16 +61,17 @@ def _pair(family: str, scheme: str) -> tuple[HFCausalLM, HFCausalLM]:
         from verispec.models.attention import register
 
         model.set_attn_implementation(register())
-    fast, slow = HFCausalLM(model, name="lean"), HFCausalLM(model, name="transformers")
+    fast = HFCausalLM(model, name="lean", native_layers=native_layers)
+    slow = HFCausalLM(model, name="transformers")
     slow.lean = False
     assert fast.lean
     return fast, slow
 
 
-def _runs(family: str, scheme: str) -> dict[str, list[torch.Tensor]]:
+def _runs(family: str, scheme: str, native_layers: bool) -> dict[str, list[torch.Tensor]]:
     """Logits and hidden states of both forwards over prompts, batched decode and verify rows and a
     token tree (11 tensors each)."""
-    fast, slow = _pair(family, scheme)
+    fast, slow = _pair(family, scheme, native_layers)
     prompts = [[(5 * i + 3) % 96 for i in range(23)], [(11 * i + 1) % 96 for i in range(9)]]
     runs = {}
     for lm in (fast, slow):
@@ -95,18 +97,16 @@ def _runs(family: str, scheme: str) -> dict[str, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_lean_forward_gives_transformers_bits(family, scheme, monkeypatch):
-    monkeypatch.setattr(lean, "use_native", False)
-    runs = _runs(family, scheme)
+def test_lean_forward_gives_transformers_bits(family, scheme):
+    runs = _runs(family, scheme, native_layers=False)
     for got, want in zip(runs["lean"], runs["transformers"], strict=True):
         assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_native_layer_ops_match_transformers_within_rounding(family, scheme, monkeypatch):
-    monkeypatch.setattr(lean, "use_native", True)
-    runs = _runs(family, scheme)
+def test_native_layer_ops_match_transformers_within_rounding(family, scheme):
+    runs = _runs(family, scheme, native_layers=True)
     assert native.load(lean.NATIVE_SOURCE) is None  # the C++ operations are there to run
     # Quantized activations turn a last-bit difference into at most a step of their rounding.
     tol = 1e-4 if scheme == "none" else 2e-2
@@ -117,9 +117,8 @@ def test_native_layer_ops_match_transformers_within_rounding(family, scheme, mon
 
 
 @pytest.mark.parametrize("scheme", SCHEMES[1:])  # float32 Linears (BLAS) are not batch-invariant
-def test_native_layer_ops_keep_a_token_s_bits_whatever_rows_are_beside_it(scheme, monkeypatch):
-    monkeypatch.setattr(lean, "use_native", True)
-    fast, _ = _pair("qwen2", scheme)
+def test_native_layer_ops_keep_a_token_s_bits_whatever_rows_are_beside_it(scheme):
+    fast, _ = _pair("qwen2", scheme, native_layers=True)
     prompt = [(7 * i + 2) % 96 for i in range(17)]
     alone_cache = fast.new_cache()
     fast.forward_batch([alone_cache], [prompt], logits_to_keep=[0])
@@ -141,7 +140,7 @@ def test_a_failed_layer_ops_build_warns_and_keeps_torch_s_operations(monkeypatch
         return lm.forward(ids[:, 8:], cache, logits_to_keep=4).logits[0]
 
     want = run(slow)  # transformers' forward (this also loads the C++ attention, left as it is)
-    monkeypatch.setattr(lean, "use_native", True)
+    assert fast.native_layers  # the default: asked for, but the build fails
     fail_build(monkeypatch, lean.NATIVE_SOURCE)
     with pytest.warns(UserWarning, match="layer_ops.cpp failed: no g"):
         got = run(fast)
@@ -156,14 +155,13 @@ def test_other_decoders_keep_transformers_forward():
     assert lean.supports(MODELS["qwen2"].model)
 
 
-@pytest.mark.parametrize("use_native", [False, True], ids=["torch-ops", "native-ops"])
+@pytest.mark.parametrize("native_layers", [False, True], ids=["torch-ops", "native-ops"])
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_feature_layers_are_the_normed_inputs_of_those_layers(family, use_native, monkeypatch):
+def test_feature_layers_are_the_normed_inputs_of_those_layers(family, native_layers):
     """EAGLE-3's taps: each hidden row gains the normed input of every asked-for layer, the same
     values transformers' forward feeds that layer's attention (caught there by a hook); the logits
     and the last state do not change."""
-    monkeypatch.setattr(lean, "use_native", use_native)
-    fast, slow = _pair(family, "none")
+    fast, slow = _pair(family, "none", native_layers)
     prompts = [[(5 * i + 3) % 96 for i in range(13)], [(11 * i + 1) % 96 for i in range(6)]]
     outs = {}
     for lm in (fast, slow):
@@ -172,7 +170,7 @@ def test_feature_layers_are_the_normed_inputs_of_those_layers(family, use_native
             outs[lm.name, layers] = lm.forward_batch(
                 caches, prompts, logits_to_keep=[3, 2], return_hidden=True, feature_layers=layers
             )
-    tol = 1e-5 if use_native else 0.0
+    tol = 1e-5 if native_layers else 0.0
     for name in ("lean", "transformers"):
         plain, tapped = outs[name, ()], outs[name, (1, 0)]
         for row in range(2):

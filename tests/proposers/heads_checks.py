@@ -11,7 +11,7 @@ from unittest.mock import patch
 import torch
 
 from tests.conftest import tiny_llama
-from tests.heads.tiny import trained
+from tests.training.tiny import trained
 from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
 from verispec.heads.identity import identify

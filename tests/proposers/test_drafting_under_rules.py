@@ -1,7 +1,7 @@
 """Learned heads and prompt lookup drafting under a request's grammar and penalties.
 
 The tiny random target with a real BPE tokenizer (tests/server/harness.py), heads trained on its own
-greedy text (tests/heads/tiny.py), EAGLE both over the full vocabulary and over a reduced draft
+greedy text (tests/training/tiny.py), EAGLE both over the full vocabulary and over a reduced draft
 vocabulary (the rules' rows then go through the target's vocabulary and back). Each test checks
 that drafts were proposed and accepted, so none passes vacuously.
 """
@@ -13,15 +13,14 @@ from collections import Counter
 
 import pytest
 
-from tests.heads.tiny import trained
 from tests.server.harness import tiny_pair
 from tests.test_structured import PROMPT, REGEX, SCHEMA, assert_samples_follow_the_constrained_target, fits
+from tests.training.tiny import trained
 from verispec.config import NgramConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.heads.identity import identify
 from verispec.heads.io import LoadedHeads
 from verispec.models.hf import HFCausalLM
-from verispec.penalties import chain_paths, tree_paths
 from verispec.proposers.base import Proposer
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.heads_base import HeadsProposer
@@ -30,7 +29,6 @@ from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.structured import Constraint, Structured
 from verispec.types import Draft
-from verispec.verify.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -93,13 +91,10 @@ def record_drafts(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[boo
     return fitted
 
 
-def drafted(draft: Draft | DraftTree) -> list[list[int]]:
+def drafted(draft: Draft) -> list[list[int]]:
     """Every path of a draft chain or tree, from its first token: the verification rows' paths
-    (:mod:`verispec.penalties`) without the root's empty one."""
-    tokens = draft.tokens.tolist()
-    if isinstance(draft, DraftTree):
-        return tree_paths(tokens, draft.parents.tolist())[1:]
-    return chain_paths(tokens)[1:]
+    (:meth:`Draft.row_paths`) without the root's empty one."""
+    return draft.row_paths()[1:]
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -168,9 +163,9 @@ def test_eagle_drafts_with_the_penalties(target, name, monkeypatch):
     assert tokens and banned not in tokens and got.stats.num_accepted > 0
 
 
-def proposals(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[Draft | DraftTree]:
+def proposals(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[Draft]:
     """Every draft the engine's proposer returns from now on, in order (a list the caller may clear)."""
-    drafts: list[Draft | DraftTree] = []
+    drafts: list[Draft] = []
     proposer = spec.proposer
     assert proposer is not None
     original = proposer.propose_batch
@@ -184,7 +179,7 @@ def proposals(spec: SpecEngine, monkeypatch: pytest.MonkeyPatch) -> list[Draft |
     return drafts
 
 
-def drafted_tokens(drafts: list[Draft | DraftTree]) -> Counter[int]:
+def drafted_tokens(drafts: list[Draft]) -> Counter[int]:
     return Counter(t for draft in drafts for t in draft.tokens.tolist())
 
 
@@ -253,7 +248,7 @@ def test_forced_tokens_are_drafted_and_accepted(target, name, monkeypatch):
     lowers acceptance, against the same proposer not told what the grammar forces. Prompt lookup,
     which has nothing to look up here, drafts only because of them. (The heads gain nothing here:
     llguidance's mask allows only the forced tokens, which the tiny target's heads have in their
-    vocabulary; the 1.5B's 8k-token draft vocabulary lacks most key names, NOTES session 28.)"""
+    vocabulary; the 1.5B's 8k-token draft vocabulary lacks most key names.)"""
     spec = engine(target, name)
     want = spec.plain_engine().generate(PROMPT, max_new_tokens=80, structured=LONG_KEYS)
     got = spec.generate(PROMPT, max_new_tokens=80, structured=LONG_KEYS)
@@ -276,11 +271,11 @@ def test_the_first_draft_under_a_schema_is_its_forced_opening(target, name, monk
     spec = engine(target, name, k=4)
     drafts = proposals(spec, monkeypatch)
     spec.generate(PROMPT, max_new_tokens=8, structured=LONG_KEYS)
-    constraint = spec.plain_engine()._constraint(LONG_KEYS.grammar())
+    constraint = spec.plain_engine().requests.constraint(LONG_KEYS.grammar())
     opening = constraint.forced([])[:4]
     assert len(opening) == 4 and target.tokenizer.decode(opening).startswith('{"')
     first = drafts[0]
     assert first.tokens.tolist()[:4] == opening  # a tree lists its best nodes first: here one path
-    if isinstance(first, DraftTree):
+    if first.scores is not None:  # the heads' scored tree (prompt lookup drafts an unscored chain)
         assert first.parents.tolist()[:4] == [-1, 0, 1, 2]
-        assert first.scores is not None and first.scores[:4].tolist() == [0.0] * 4
+        assert first.scores[:4].tolist() == [0.0] * 4

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from tests.heads.tiny import trained
 from tests.proposers.heads_checks import (
     PROMPTS,
     assert_greedy_equals_plain_with_deep_trees,
@@ -23,6 +22,7 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     prefix_logits,
     target,
 )
+from tests.training.tiny import trained
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.costs import Curve, StepCostModel
 from verispec.engine import SpecEngine
@@ -34,7 +34,7 @@ from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import build_proposer
 from verispec.proposers.eagle import EagleProposer, EagleState
-from verispec.verify.tree import DraftTree
+from verispec.types import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +130,7 @@ def test_trees_stay_within_k_nodes_and_width(tiny_target):
     proposer.prefill(state, hidden.hidden[0])
     for k in (1, 2, 5):
         tree = proposer.propose(state, ids, k)
-        assert isinstance(tree, DraftTree) and tree.probs is None
+        assert tree.scores is not None and tree.probs is None  # a scored tree of deterministic candidates
         assert max(tree.depths()) <= k and tree.size <= 7 and len(tree.children()[0]) <= 2
         assert tree.size == {1: 2, 2: 2 + 2 * 2, 5: 7}[k]  # level 1, then 2 expanded x 2 children
     assert state.cache.length == len(ids) - 1  # drafting left the cache alone
@@ -164,7 +164,7 @@ def test_levels_without_a_likely_node_are_not_expanded(tiny_target, monkeypatch)
         proposer.propose(state, ids, 1)  # catch up on the prompt first
         calls.clear()
         tree = proposer.propose(state, ids, 5)
-        assert isinstance(tree, DraftTree) and tree.scores is not None
+        assert tree.scores is not None
         shapes[threshold] = (max(tree.depths()), len(calls))
         assert len(calls) == max(tree.depths()) - 1  # one drafter pass per expanded level
         if threshold:  # every expanded node's parent level had a node at the threshold
@@ -202,12 +202,12 @@ def test_the_policy_floor_stops_expansion_like_expand_min_prob(tiny_target, monk
     for floor in (-math.inf, 0.0):
         calls.clear()
         (tree,) = proposer.propose_batch([state], [ids], [5], min_logp=floor)
-        assert isinstance(tree, DraftTree)
+        assert tree.scores is not None
         depths[floor] = (max(tree.depths()), len(calls))
     assert depths == {-math.inf: (5, 4), 0.0: (1, 0)}
 
 
-def _paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+def _paths(tree: Draft) -> dict[tuple[int, ...], float]:
     """Each node's token path from the root, with its score."""
     assert tree.scores is not None
     tokens, parents, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
@@ -230,7 +230,7 @@ def test_within_a_level_only_nodes_at_the_policy_floor_are_expanded(tiny_target,
     floor = (first[0] + first[-1]) / 2
     rows.clear()
     (cut,) = proposer.propose_batch([state], [ids], [3], min_logp=floor)
-    assert isinstance(cut, DraftTree)
+    assert cut.scores is not None
     got, want = _paths(cut), _paths(whole)
     kept = {p: s for p, s in want.items() if s >= floor}
     assert set(kept) <= set(got)
@@ -282,7 +282,7 @@ def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_pass_per_level(ti
         assert len(calls) == 1 + max(ks) - 1  # one catch-up pass, then one per expanded level
         assert got[3].tokens.numel() == 0  # a one-token prompt has no feature to draft from yet
         for e, g in zip(expected[:3], got[:3], strict=True):
-            assert isinstance(e, DraftTree) and isinstance(g, DraftTree)
+            assert e.scores is not None and g.scores is not None
             assert torch.equal(e.tokens, g.tokens) and torch.equal(e.parents, g.parents)
             torch.testing.assert_close(e.scores, g.scores, rtol=1e-4, atol=1e-5)
         assert [max(t.depths()) for t in got[:3]] == ks[:3]  # deep trees, not a vacuous match

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from tests.heads.tiny import trained
 from tests.proposers.heads_checks import PROMPTS, plain_outputs
 from tests.proposers.test_eagle import eagle_proposer
 from tests.test_engine_distribution import (  # noqa: F401 - fixtures
@@ -19,6 +18,7 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     prefix_logits,
     target,
 )
+from tests.training.tiny import trained
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.heads.eagle import EagleConfig, EagleDrafter
@@ -31,18 +31,17 @@ from verispec.proposers.hybrid import HybridProposer, graft
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.types import Draft
-from verispec.verify.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def scored_tree(tokens: list[int], parents: list[int], probs: list[float]) -> DraftTree:
-    return DraftTree(
+def scored_tree(tokens: list[int], parents: list[int], probs: list[float]) -> Draft:
+    return Draft(
         torch.tensor(tokens), torch.tensor(parents), scores=torch.tensor([math.log(p) for p in probs])
     )
 
 
-def as_paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+def as_paths(tree: Draft) -> dict[tuple[int, ...], float]:
     """Each node as the token path from the root to it, with its acceptance probability."""
     paths: list[tuple[int, ...]] = []
     for token, parent in zip(tree.tokens.tolist(), tree.parents.tolist(), strict=True):
@@ -55,7 +54,7 @@ def test_graft_merges_shared_prefixes_keeps_the_higher_score_and_sorts_best_firs
     # Heads tree: 7 (0.6) -> 8 (0.3); 9 (0.2). Lookup chain 7, 5, 6 with survival 0.5, 0.45, 0.4.
     tree = scored_tree([7, 8, 9], [-1, 0, -1], [0.6, 0.3, 0.2])
     merged = graft(tree, [7, 5, 6], [0.5, 0.45, 0.4])
-    assert isinstance(merged, DraftTree)
+    assert merged.scores is not None
     assert as_paths(merged) == {(7,): 0.6, (9,): 0.2, (7, 8): 0.3, (7, 5): 0.45, (7, 5, 6): 0.4}
     assert merged.tokens.tolist() == [7, 5, 6, 8, 9]  # best first; parents before children
     assert merged.scores is not None and bool((merged.scores[1:] <= merged.scores[:-1]).all())
@@ -69,10 +68,10 @@ def test_graft_without_a_chain_or_without_a_tree():
     tree = scored_tree([7], [-1], [0.6])
     assert graft(tree, [], []) is tree
     alone = graft(Draft.empty(), [4, 4], [0.7, 0.5])
-    assert isinstance(alone, DraftTree) and as_paths(alone) == {(4,): 0.7, (4, 4): 0.5}
-    assert graft(Draft.empty(), [], []).k == 0
+    assert alone.scores is not None and as_paths(alone) == {(4,): 0.7, (4, 4): 0.5}
+    assert graft(Draft.empty(), [], []).size == 0
     with pytest.raises(TypeError, match="scored tree"):
-        graft(Draft(tokens=torch.tensor([1, 2])), [3], [0.5])
+        graft(Draft.chain(torch.tensor([1, 2])), [3], [0.5])
 
 
 def hybrid_engine(model: HFCausalLM, drafter: EagleDrafter, k: int = 4) -> SpecEngine:
@@ -169,7 +168,7 @@ def test_hybrid_engine_samples_the_target_distribution(target, prefix_logits, sa
 
     def counted(*args: object) -> Draft:
         draft = lookup(*args)  # type: ignore[arg-type]
-        chains.append(draft.k)
+        chains.append(draft.size)
         return draft
 
     proposer.lookup.propose = counted  # type: ignore[method-assign]

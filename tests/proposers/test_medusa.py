@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from tests.heads.tiny import trained
 from tests.proposers.heads_checks import (
     PROMPTS,
     assert_greedy_equals_plain_with_deep_trees,
@@ -23,6 +22,7 @@ from tests.test_engine_distribution import (  # noqa: F401 - fixtures
     prefix_logits,
     target,
 )
+from tests.training.tiny import trained
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
@@ -33,7 +33,6 @@ from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
 from verispec.proposers.base import build_proposer
 from verispec.proposers.medusa import MedusaProposer
-from verispec.verify.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -76,7 +75,7 @@ def test_tree_shape_follows_k_nodes_and_width(tiny_target):
     wide = MedusaProposer(heads, VocabHead(tiny_target, None), nodes=4 + 16 + 64, width=4)
     for k, depth in ((1, 1), (2, 2), (5, 3)):  # at most k deep, and at most one level per head
         tree = proposer.propose(state, [1, 2, 3], k)
-        assert isinstance(tree, DraftTree) and tree.probs is None
+        assert tree.scores is not None and tree.probs is None  # a scored tree of deterministic candidates
         assert max(tree.depths()) <= depth and tree.size == min(10, 4 * (1 if k == 1 else 10))
         assert len(tree.children()[0]) <= 4
         # With nodes for every path, the tree is exactly that deep (the best 10 need not reach it).
@@ -133,16 +132,15 @@ def test_the_adaptive_policy_sizes_trees_by_cost_and_stays_lossless(tiny_target)
     for name, costs in curves.items():
         spec = SpecConfig(method="medusa", num_speculative_tokens=3, depth="adaptive")
         proposer = MedusaProposer(heads, VocabHead(tiny_target, None), nodes=8, width=3)
-        engine = SpecEngine(tiny_target, proposer, spec, costs=costs)
-        forward = engine.target.forward_batch
         seen: list[int] = []
 
-        def spy(caches, tokens, *args, _seen=seen, _forward=forward, **kwargs):
+        def spy(caches, tokens, *args, _seen=seen, **kwargs):
             _seen.extend(len(t) for t in tokens)
-            return _forward(caches, tokens, *args, **kwargs)
+            return tiny_target.forward_batch(caches, tokens, *args, **kwargs)
 
-        engine.target = copy.copy(tiny_target)
-        engine.target.forward_batch = spy  # type: ignore[method-assign]
+        spied = copy.copy(tiny_target)
+        spied.forward_batch = spy  # type: ignore[method-assign]
+        engine = SpecEngine(spied, proposer, spec, costs=costs)
         got = [engine.generate(p, max_new_tokens=30) for p in PROMPTS[:2]]
         assert [g.token_ids for g in got] == want
         assert sum(g.stats.num_accepted for g in got) > 0, name

@@ -64,13 +64,13 @@ def test_cases(tokens: list[int], k: int, min_ngram: int, max_ngram: int, expect
     draft = proposer.propose(state, tokens, k)
     assert draft.tokens.tolist() == expected
     assert draft.probs is None
-    assert draft.k == len(expected)
+    assert draft.size == len(expected)
 
 
 def test_k_zero_is_empty() -> None:
     proposer = make()
     tokens = [1, 2, 1]
-    assert proposer.propose(proposer.new_state(tokens, GREEDY), tokens, 0).k == 0
+    assert proposer.propose(proposer.new_state(tokens, GREEDY), tokens, 0).size == 0
 
 
 RANDOM_CASES = [(0, 3, 1, 4), (1, 5, 2, 3), (2, 8, 1, 2)]  # (seed, vocab, min_ngram, max_ngram)
@@ -87,7 +87,7 @@ def test_incremental_matches_reference(seed: int, vocab: int, min_ngram: int, ma
         k = rng.randrange(1, 8)
         draft = proposer.propose(state, tokens, k)
         assert draft.tokens.tolist() == reference(tokens, k, min_ngram, max_ngram)
-        proposed += draft.k
+        proposed += draft.size
         # Commit a random number of tokens: sometimes via update, sometimes seen first by propose.
         tokens = tokens + [rng.randrange(vocab) for _ in range(rng.randrange(0, 5))]
         if rng.random() < 0.5:

@@ -57,7 +57,7 @@ def test_port_in_use_fails_at_once_on_one_line():
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--max-batch-size", "0"], "max_batch_size"),
+        (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
         (["--port", "70000"], "--port"),
         (["--host", "no.such.host.invalid"], "--host"),
         (["--target", "no-such-model"], "no-such-model"),

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from tests.server.test_errors import assert_error, post
+from verispec.server.responses import ChunkWriter, full_response
 from verispec.server.tools import MAX_HELD_CHARS, ToolCallStream, parse_tool_calls
-from verispec.server.translate import ChunkWriter, full_response
 from verispec.types import TokenEvent
 
 NAMES = frozenset({"get_weather", "add"})

@@ -76,7 +76,7 @@ def test_rejection_sample_at_temperature_0_is_greedy(
 
 @pytest.mark.parametrize(("draft", "target_argmax", "expected", "num_accepted"), GREEDY_CASES)
 def test_verify_dispatches_greedy(draft, target_argmax, expected, num_accepted):
-    result = verify(Draft(tokens=as_tokens(draft)), peaked_logits(target_argmax), GREEDY, None)
+    result = verify(Draft.chain(as_tokens(draft)), peaked_logits(target_argmax), GREEDY, None)
     assert result.tokens == expected
     assert result.num_accepted == num_accepted
 
@@ -208,7 +208,7 @@ def test_verify_sampling_is_seeded_and_uses_the_shared_transform():
     cfg = SamplingConfig(temperature=0.8, top_k=5)
     draft_tokens, draft_probs, _ = _half_accepting_case()
     target_logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(4))
-    draft = Draft(tokens=draft_tokens, probs=draft_probs)
+    draft = Draft.chain(draft_tokens, draft_probs)
     via_verify = verify(draft, target_logits, cfg, torch.Generator().manual_seed(9))
     direct = rejection_sample(
         draft_tokens, draft_probs, logits_to_probs(target_logits, cfg), torch.Generator().manual_seed(9)
@@ -230,7 +230,7 @@ def test_bad_shapes_raise_value_error(tokens, probs, target_shape, message):
     with pytest.raises(ValueError, match=message):
         rejection_sample(as_tokens(tokens), draft_probs, target, None)
     with pytest.raises(ValueError, match=message):
-        verify(Draft(as_tokens(tokens), draft_probs), target, SamplingConfig(temperature=1.0), None)
+        verify(Draft.chain(as_tokens(tokens), draft_probs), target, SamplingConfig(temperature=1.0), None)
     if probs is None:
         with pytest.raises(ValueError, match=message):
             greedy_verify(as_tokens(tokens), target)

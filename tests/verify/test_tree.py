@@ -8,8 +8,9 @@ import torch
 from tests.stats import chi_square
 from verispec.config import SamplingConfig
 from verispec.sampling import logits_to_probs, sample
+from verispec.types import Draft
 from verispec.verify import tree as tree_module
-from verispec.verify.tree import DraftTree, tree_attention_inputs, verify_tree
+from verispec.verify.tree import tree_attention_inputs, verify_tree
 
 V = 4
 GREEDY = SamplingConfig()
@@ -18,20 +19,20 @@ SAMPLED = SamplingConfig(temperature=1.0)
 
 def test_greedy_follows_the_target_argmax_down_the_tree():
     # root -> {0: token 2, 1: token 1}; node 0 -> {2: token 3}; node 1 -> {3: token 0}
-    tree = DraftTree(tokens=torch.tensor([2, 1, 3, 0]), parents=torch.tensor([-1, -1, 0, 1]))
+    tree = Draft(tokens=torch.tensor([2, 1, 3, 0]), parents=torch.tensor([-1, -1, 0, 1]))
     logits = torch.full((5, V), -5.0)
     logits[0, 1] = 5  # after the root the target wants 1: node 1
     logits[2, 0] = 5  # after node 1 it wants 0: node 3
     logits[4, 2] = 5  # after node 3 it wants 2: the bonus token
     result = verify_tree(tree, logits, GREEDY, None)
-    assert result.path == [1, 3] and result.tokens == [1, 0, 2] and result.num_accepted == 2
+    assert result.path == (1, 3) and result.tokens == [1, 0, 2] and result.num_accepted == 2
     logits[0] = -5
     logits[0, 3] = 5  # no child matches: the target's own token only
     assert verify_tree(tree, logits, GREEDY, None).tokens == [3]
 
 
 def test_tree_attention_inputs_see_only_ancestors():
-    tree = DraftTree(tokens=torch.tensor([2, 1, 3]), parents=torch.tensor([-1, -1, 0]))
+    tree = Draft(tokens=torch.tensor([2, 1, 3]), parents=torch.tensor([-1, -1, 0]))
     positions, mask = tree_attention_inputs(tree, start=10)
     assert positions == [10, 11, 11, 12]
     assert mask.tolist() == [
@@ -44,8 +45,8 @@ def test_tree_attention_inputs_see_only_ancestors():
 
 def test_bad_trees_are_refused():
     with pytest.raises(ValueError, match="parent"):
-        DraftTree(tokens=torch.tensor([1, 2]), parents=torch.tensor([1, -1]))
-    tree = DraftTree(tokens=torch.tensor([1]), parents=torch.tensor([-1]))
+        Draft(tokens=torch.tensor([1, 2]), parents=torch.tensor([1, -1]))
+    tree = Draft(tokens=torch.tensor([1]), parents=torch.tensor([-1]))
     with pytest.raises(ValueError, match="rows"):
         verify_tree(tree, torch.zeros(3, V), GREEDY, None)
 
@@ -85,7 +86,7 @@ def _two_token_counts(kind: str, trials: int = 6000) -> tuple[torch.Tensor, torc
             tokens = first + second
             probs = q1.expand(6, V).clone()
         parents = [-1, -1, 0, 0, 1, 1]
-        tree = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents), probs=probs)
+        tree = Draft(tokens=torch.tensor(tokens), parents=torch.tensor(parents), probs=probs)
         paths = [[], [first[0]], [first[1]], [first[0], tokens[2]], [first[0], tokens[3]],
                  [first[1], tokens[4]], [first[1], tokens[5]]]  # fmt: skip
         logits = torch.stack([_target_row(tables, path).log() for path in paths])
@@ -110,7 +111,7 @@ def test_deterministic_candidates_follow_what_plain_decoding_samples():
     committed token: with a seed, the output is plain decoding's samples down the matching path."""
     tables = _tables(0)
     tokens, parents = [3, 2, 3, 2, 3, 2], [-1, -1, 0, 0, 1, 1]  # two candidates at each level
-    tree = DraftTree(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
+    tree = Draft(tokens=torch.tensor(tokens), parents=torch.tensor(parents))
     paths = [[], [3], [2], [3, 3], [3, 2], [2, 3], [2, 2]]
     logits = torch.stack([_target_row(tables, path).log() for path in paths])
     lengths = set()
@@ -144,13 +145,13 @@ def test_a_verifier_that_forgets_rejected_siblings_fails_the_same_check(monkeypa
 
 def test_scores_must_fall_and_only_deterministic_trees_are_cut():
     tokens, parents = torch.tensor([3, 4, 5]), torch.tensor([-1, 0, -1])
-    tree = DraftTree(tokens, parents, scores=torch.tensor([-0.1, -0.5, -0.7]))
+    tree = Draft(tokens, parents, scores=torch.tensor([-0.1, -0.5, -0.7]))
     assert tree.prefix(2).tokens.tolist() == [3, 4] and tree.prefix(0).size == 0
     assert tree.prefix(10).size == 3
     with pytest.raises(ValueError, match="non-increasing"):
-        DraftTree(tokens, parents, scores=torch.tensor([-0.5, -0.1, -0.7]))
+        Draft(tokens, parents, scores=torch.tensor([-0.5, -0.1, -0.7]))
     probs = torch.full((3, 8), 1 / 8)
     with pytest.raises(ValueError, match="deterministic"):
-        DraftTree(tokens, parents, probs, scores=torch.tensor([-0.1, -0.5, -0.7]))
+        Draft(tokens, parents, probs, scores=torch.tensor([-0.1, -0.5, -0.7]))
     with pytest.raises(ValueError, match="cannot be cut"):
-        DraftTree(tokens, parents, probs).prefix(1)
+        Draft(tokens, parents, probs).prefix(1)

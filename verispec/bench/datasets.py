@@ -1,4 +1,4 @@
-"""The evaluation prompt sets: Spec-Bench, MT-bench and HumanEval, read from a local data folder.
+"""The evaluation prompt sets: Spec-Bench, MT-bench and HumanEval, read from the packaged data.
 
 Each prompt is a :class:`BenchPrompt`. A chat prompt is a list of user turns: turn ``i + 1`` is sent
 after the model's own answer to turn ``i`` has been added to the conversation, so the answers are
@@ -12,7 +12,9 @@ its own eight categories; HumanEval has one, ``code``.
 
 Selection is deterministic: filters keep file order, ``limit_per_category`` takes the first N rows
 of each category and ``limit`` the first N of what remains. Nothing is shuffled or hand-picked.
-The data folder defaults to ``shared/data`` beside the repository, or ``$VERISPEC_DATA_DIR``.
+The data folder is the copy shipped inside the package (:mod:`verispec.data`), so a clone or an
+install benchmarks the same prompts with nothing else to fetch. ``--data-dir`` (or
+``$VERISPEC_DATA_DIR``) points elsewhere, to a folder with the same layout.
 """
 
 from __future__ import annotations
@@ -24,16 +26,11 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
+from verispec.data import DATASETS, DatasetName, packaged_data_dir
 from verispec.errors import VerispecError
 
-DatasetName = Literal["spec_bench", "mt_bench", "humaneval"]
-DATASETS: tuple[str, ...] = get_args(DatasetName)
-
 DATA_DIR_ENV = "VERISPEC_DATA_DIR"
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-"""``shared/data`` beside the repository root."""
 
 MT_BENCH_CATEGORIES = (
     "writing",
@@ -71,9 +68,9 @@ class BenchPrompt:
 
 
 def default_data_dir() -> Path:
-    """``$VERISPEC_DATA_DIR`` if set, else ``shared/data`` beside the repository."""
+    """``$VERISPEC_DATA_DIR`` if set, else the packaged data (:mod:`verispec.data`)."""
     env = os.environ.get(DATA_DIR_ENV)
-    return Path(env) if env else DEFAULT_DATA_DIR
+    return Path(env) if env else packaged_data_dir()
 
 
 def load_dataset(

@@ -6,8 +6,8 @@ from source in minutes): it is looked for only when asked for, and its absence i
 :class:`Skipped` note in the report, never an error.
 
 Each baseline runs in a process of its own (:mod:`verispec.bench.llamacpp_worker`): a build that
-crashes (session 20's native build segfaulted in its AMX backend) then fails the prompt it crashed
-on, with the signal and the last lines llama.cpp wrote, and the next prompt starts a fresh process;
+crashes (a native llama-cpp-python build has segfaulted in its AMX backend) then fails the prompt it
+crashed on, with the signal and the last lines llama.cpp wrote, and the next prompt starts a fresh process;
 one that can't even load is skipped with that reason. Every generation starts from an empty KV cache.
 """
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from verispec.bench.datasets import CATEGORIES, DATASETS
-from verispec.config import MAX_SPECULATIVE_TOKENS, METHODS, ModelLoadConfig, NgramConfig
+from verispec.config import METHODS, DepthPolicyName, ModelLoadConfig, NgramConfig, SpecConfig
 from verispec.errors import VerispecError
 
 PLAIN = "none"
@@ -32,7 +32,16 @@ will force: a served request with ``response_format`` says the same in its messa
 
 @dataclass(frozen=True)
 class BenchSettings:
-    """One benchmark run: models, methods, prompts and generation limits."""
+    """One benchmark run: models, methods, prompts and generation limits.
+
+    The fields named as a setting of :mod:`verispec.config` (``num_speculative_tokens``, ``depth``,
+    ``heads``, ...) are that setting: ``verispec bench`` makes their flags from it
+    (:func:`verispec.settings.add_flags`), and they take its default unless listed in
+    :attr:`OWN_DEFAULTS`, whose docstrings say why.
+    """
+
+    OWN_DEFAULTS: ClassVar[tuple[str, ...]] = ("depth",)
+    """Settings whose default differs from serving's on purpose."""
 
     target: str
     """Target model: registry name, Hugging Face folder or .gguf file."""
@@ -42,11 +51,12 @@ class BenchSettings:
     """verispec methods; ``none`` (plain decoding) is always run first, as the reference."""
     baselines: tuple[str, ...] = ()
     """Baselines from :data:`BASELINES`; each is skipped, with a note, if its package or model is absent."""
-    num_speculative_tokens: int = 5
+    num_speculative_tokens: int = SpecConfig.num_speculative_tokens
     """k: draft tokens per step for the verispec methods."""
-    depth: str = "fixed"
-    """'fixed': every method drafts k tokens (trees: their full node budget) every step, which
-    measures the method itself; 'adaptive': the depth policy chooses per step, as served."""
+    depth: DepthPolicyName = "fixed"
+    """fixed (bench's default, where serving's is adaptive): every method drafts k tokens (trees:
+    their full node budget) every step, which measures the method itself rather than the policy;
+    adaptive: the depth policy chooses per step, as served."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
     """N-gram sizes of the ``ngram`` proposer."""
     heads: str | None = None
@@ -67,7 +77,7 @@ class BenchSettings:
     seed: int | None = None
     """Shuffle each dataset's rows with this seed before taking --limit per category."""
     data_dir: Path | None = None
-    """Folder with spec_bench/, mt_bench/ and humaneval/ (default: shared/data or $VERISPEC_DATA_DIR)."""
+    """Folder with spec_bench/, mt_bench/ and humaneval/ (default: $VERISPEC_DATA_DIR, else packaged)."""
     max_new_tokens: int = 128
     """New tokens per turn."""
     warmup: int = 1
@@ -87,8 +97,6 @@ class BenchSettings:
             raise VerispecError(
                 f"unknown method {', '.join(unknown)}; choose from {PLAIN}, {', '.join(METHODS)}"
             )
-        if self.depth not in ("fixed", "adaptive"):
-            raise VerispecError(f"--depth-policy must be fixed or adaptive, got {self.depth!r}")
         if "draft" in methods and self.draft is None:
             raise VerispecError("method 'draft' needs a draft model (--draft NAME|FOLDER|FILE.gguf)")
         bad = [b for b in self.baselines if b not in BASELINES]
@@ -99,17 +107,18 @@ class BenchSettings:
             raise VerispecError(
                 f"unknown dataset {', '.join(bad) or '(none)'}; choose from {', '.join(DATASETS)}"
             )
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise VerispecError(
-                f"-k must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
-            )
+        SpecConfig(  # serving's checks of the same settings (a ConfigError naming the setting)
+            num_speculative_tokens=self.num_speculative_tokens,
+            ngram=self.ngram,
+            depth=self.depth,
+            tree_nodes=self.tree_nodes,
+            tree_width=self.tree_width,
+        )
         for value, flag, low in (
             (self.max_new_tokens, "--max-new-tokens", 1),
             (self.warmup, "--warmup", 0),
             (self.prompt_lookup_tokens, "--prompt-lookup-tokens", 1),
             (self.limit_per_category, "--limit", 1),
-            (self.tree_nodes, "--tree-nodes", 1),
-            (self.tree_width, "--tree-width", 1),
         ):
             if value is not None and value < low:
                 raise VerispecError(f"{flag} must be >= {low}, got {value}")

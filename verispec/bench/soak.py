@@ -19,7 +19,7 @@ chunks. It then checks:
   its high-water mark does not. That mark is not reached after the warm-up alone (the longest
   prompts at full concurrency, then the baseline): on SmolLM2 with prompt lookup at 8 tokens a
   request, idle RSS rose for the first ~300 requests and then stayed flat for 700 more (+145 MB in
-  all, NOTES.md session 19). So the default is 400 requests: 200 left the second half inside the
+  all). So the default is 400 requests: 200 left the second half inside the
   climb (CI once failed at +70 MB over it), and the whole soak's growth, once judged, failed CI at
   +139 MB. That growth is reported, not judged.
 """

@@ -11,7 +11,9 @@ Modules:
 - :mod:`~verispec.heads.identity`: which target a set of heads was trained for (refused otherwise);
 - :mod:`~verispec.heads.vocab`: the target's frozen LM head, restricted to a draft vocabulary;
 - :mod:`~verispec.heads.medusa`, :mod:`~verispec.heads.eagle`: the networks;
-- :mod:`~verispec.heads.trees`: turning draft scores into a :class:`~verispec.verify.tree.DraftTree`;
+- :mod:`~verispec.heads.trees`: turning draft scores into a tree-shaped :class:`~verispec.types.Draft`;
 - :mod:`~verispec.heads.io`: the on-disk format (safetensors + JSON) and the shipped heads;
-- :mod:`~verispec.heads.data`, :mod:`~verispec.heads.train`: data, hidden-state cache, training.
+
+Training them (data, the hidden-state cache, self-distillation, the loop) is :mod:`verispec.training`,
+which the runtime never imports.
 """

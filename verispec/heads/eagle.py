@@ -34,10 +34,6 @@ from verispec.models import native
 from verispec.models.fused import FusedLinear
 from verispec.models.lean import NATIVE_SOURCE
 
-use_native = True
-"""Draft with ``kernels/layer_ops.cpp``'s operations where they build (float32 on CPU); False keeps
-torch's (the reference the tests compare to)."""
-
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -195,9 +191,12 @@ class EagleDrafter(nn.Module):
     starts at zero, so a drafter trained without taps is the starting point, not a random one.
     """
 
-    def __init__(self, config: EagleConfig) -> None:
+    def __init__(self, config: EagleConfig, *, native_ops: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.native_ops = native_ops
+        """:meth:`step` drafts with ``kernels/layer_ops.cpp``'s operations where they build (float32
+        on CPU); False keeps torch's (the reference the tests compare to)."""
         h, d = config.hidden_size, config.head_dim
         if config.feature_layers:
             taps = len(config.feature_layers)
@@ -270,7 +269,7 @@ class EagleDrafter(nn.Module):
         operations in the last bits, which only moves draft probabilities (a draft has to be good,
         not exact).
         """
-        ops = torch.ops.verispec_layer if _native_ready(embeds) else None
+        ops = torch.ops.verispec_layer if self.native_ops and _native_ready(embeds) else None
         cfg = self.config
         layer = self.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
@@ -395,8 +394,8 @@ class _MLP(nn.Module):
 
 
 def _native_ready(x: torch.Tensor) -> bool:
-    """Whether :meth:`EagleDrafter.step` runs the C++ layer operations (float32 on CPU, built)."""
-    if not use_native or x.dtype != torch.float32 or x.device.type != "cpu":
+    """Whether :meth:`EagleDrafter.step` can run the C++ layer operations (float32 on CPU, built)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
         return False
     return native.ready(NATIVE_SOURCE, "EAGLE drafting keeps torch's operations")
 

@@ -5,7 +5,7 @@ A tree node's *score* is the draft's log-probability of the whole path to it. Bo
 what Medusa's hand-tuned trees approximate: the expected number of accepted tokens is the sum, over
 nodes, of the probability that the path to the node is accepted, and the draft score estimates it.
 
-The output order is the one :class:`~verispec.verify.tree.DraftTree` needs: every parent before its
+The output order is the one a :class:`~verispec.types.Draft` needs: every parent before its
 children, and siblings in decreasing score (the order they are tried). Scores never increase along a
 path (log-probabilities are <= 0), so sorting by score with depth as the tie-break gives both.
 Candidates are deterministic (the heads' top tokens, no sampling): ``probs`` stays None and sampling
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from verispec.verify.tree import DraftTree
+from verispec.types import Draft
 
 _FORCED = -1
 """The rank of a heap entry that holds a token the grammar forces (:func:`product_tree`)."""
@@ -34,7 +34,7 @@ def product_tree(
     depth: int,
     fits: Callable[[list[int]], bool] | None = None,
     forced: Callable[[list[int]], list[int]] | None = None,
-) -> DraftTree:
+) -> Draft:
     """Medusa: level i's candidates are head i's top tokens, whatever the path above them.
 
     ``top_logp``/``top_ids``: ``[K, W]`` each head's W best log-probabilities (descending) and their
@@ -58,7 +58,7 @@ def product_tree(
     scores: list[float] = []
     paths: list[list[int]] = []
     if depth <= 0 or nodes <= 0:
-        return DraftTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        return Draft.empty()
 
     tie = itertools.count()
 
@@ -94,16 +94,16 @@ def product_tree(
         if level + 1 < depth:
             for child in first_child(level + 1, me, -neg):
                 heapq.heappush(heap, child)
-    return DraftTree(
+    return Draft(
         torch.tensor(tokens, dtype=torch.long),
         torch.tensor(parents, dtype=torch.long),
         scores=torch.tensor(scores, dtype=torch.float64),
     )
 
 
-def best_subtree(tokens: list[int], parents: list[int], scores: list[float], nodes: int) -> DraftTree:
+def best_subtree(tokens: list[int], parents: list[int], scores: list[float], nodes: int) -> Draft:
     """EAGLE-2's rerank: of all expanded candidates (parents listed before children), keep the
-    ``nodes`` best by score, which are closed under taking parents, in DraftTree order."""
+    ``nodes`` best by score, which are closed under taking parents, in a draft's order."""
     depth: list[int] = []
     for p in parents:
         depth.append(1 if p < 0 else depth[p] + 1)
@@ -115,7 +115,7 @@ def best_subtree(tokens: list[int], parents: list[int], scores: list[float], nod
         if p >= 0 and p not in new_index:  # only under exact ties with an unlisted parent
             raise AssertionError("rerank broke parent closure")
         kept_parents.append(-1 if p < 0 else new_index[p])
-    return DraftTree(
+    return Draft(
         torch.tensor([tokens[i] for i in order], dtype=torch.long),
         torch.tensor(kept_parents, dtype=torch.long),
         scores=torch.tensor([scores[i] for i in order], dtype=torch.float64),

@@ -1,14 +1,40 @@
-"""Model loading: a registry name, a local Hugging Face folder or a .gguf file, behind one protocol."""
+"""Model loading: a registry name, a local Hugging Face folder or a .gguf file, behind one protocol.
+
+The protocol's classes are imported on first use (they import PyTorch), so the registry
+(:mod:`verispec.models.registry`, ``verispec models``) is read without loading PyTorch.
+"""
 
 from __future__ import annotations
 
+from importlib import import_module
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from verispec.config import ModelLoadConfig
-from verispec.models.base import BatchOutput, CausalLM, ForwardOutput, KVCache
-from verispec.models.hf import HFCausalLM, load_hf_folder
+
+if TYPE_CHECKING:
+    from verispec.models.base import BatchOutput, CausalLM, ForwardOutput, KVCache
+    from verispec.models.hf import HFCausalLM
 
 __all__ = ["BatchOutput", "CausalLM", "ForwardOutput", "HFCausalLM", "KVCache", "load_model"]
+
+_LAZY = {
+    "BatchOutput": "verispec.models.base",
+    "CausalLM": "verispec.models.base",
+    "ForwardOutput": "verispec.models.base",
+    "KVCache": "verispec.models.base",
+    "HFCausalLM": "verispec.models.hf",
+    "load_hf_folder": "verispec.models.hf",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'verispec.models' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 def load_model(source: str | Path, cfg: ModelLoadConfig | None = None) -> HFCausalLM:
@@ -20,6 +46,7 @@ def load_model(source: str | Path, cfg: ModelLoadConfig | None = None) -> HFCaus
     as safetensors, so the second load takes seconds.
     """
     from verispec.models.cache import gguf_file_for, hf_folder_for
+    from verispec.models.hf import load_hf_folder
 
     cfg = cfg or ModelLoadConfig()
     name = Path(source).name if Path(str(source)).exists() else str(source)

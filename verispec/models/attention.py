@@ -20,7 +20,8 @@ Decode and verify rows in float32 on CPU run all their positions in one C++ call
 (``kernels/rowwise_attention.cpp``, same rule: each position's loops depend on that position
 alone), since the Python loop's ~10 small torch operations per position and layer cost more than
 their arithmetic; elsewhere (other dtypes, CUDA, no compiler) the Python loop below runs. The two
-round differently in the last bits, so one process uses one of them throughout.
+round differently in the last bits, so a model uses one of them throughout (its
+``native_attention``, which each forward's :class:`~verispec.models.kv.RowBatch` carries).
 
 A long prefill would pay a Python loop over thousands of positions, so a row with more than
 :data:`ROWWISE_MAX_QUERIES` new tokens uses SDPA. That is safe because the engine prefills every
@@ -46,9 +47,6 @@ from verispec.models import native
 from verispec.models.kv import RowBatch
 
 NAME = "verispec_rowwise"
-use_native = True
-"""Run decode and verify rows through ``kernels/rowwise_attention.cpp`` (one call per row and layer)
-where it builds; False keeps the Python loop over positions (the reference the tests compare to)."""
 NATIVE_SOURCE = "rowwise_attention.cpp"
 ROWWISE_MAX_QUERIES = MAX_SPECULATIVE_TOKENS + 2
 """Decode and verify steps feed at most k + 2 tokens (a pending token the draft lags by, the last
@@ -87,7 +85,7 @@ def rowwise_attention(
                 n, kv_heads, groups, dim
             )
             continue
-        if _native_ready(query, keys):
+        if rows.native_attention and _native_ready(query, keys):
             out[b, :n] = torch.ops.verispec_attention.rowwise_attention(
                 query[b, :, :n], keys, values, start, window or 0, tree, scale
             ).view(n, kv_heads, groups, dim)
@@ -104,20 +102,15 @@ def rowwise_attention(
             scores = torch.matmul(q[:, :, s], k_s.transpose(1, 2)) * scale  # [Hkv, G, seen]
             probs = scores.float().softmax(dim=-1).to(v_s.dtype)
             out[b, s] = torch.matmul(probs, v_s)  # [Hkv, G, D]
-        if tree_nodes is not None:  # the tree's keys and values back in node order, for compaction
+        if tree_nodes is not None:  # the tree's keys and values back in node order, for the rollback
             keys[:, start : start + n] = tree_nodes[0]
             values[:, start : start + n] = tree_nodes[1]
     return out.reshape(batch, width, heads, dim), None  # [B, S, H, D], as transformers expects
 
 
 def _native_ready(query: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether this row runs verispec's C++ attention (float32 on CPU, where it builds)."""
-    if (
-        not use_native
-        or query.dtype != torch.float32
-        or keys.dtype != torch.float32
-        or query.device.type != "cpu"
-    ):
+    """Whether this row can run verispec's C++ attention (float32 on CPU, where it builds)."""
+    if query.dtype != torch.float32 or keys.dtype != torch.float32 or query.device.type != "cpu":
         return False
     return native.ready(NATIVE_SOURCE, "decode rows use the Python attention loop")
 

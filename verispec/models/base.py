@@ -2,8 +2,9 @@
 
 A model runs a forward pass over *new* tokens on top of a KV cache and returns logits for the last
 few positions (and, on request, the last layer's hidden states, which Medusa/EAGLE heads read).
-Rolling back rejected draft tokens is one call on the cache: ``cache.trim(n)``. A batched forward
-runs many sequences, each with its own cache and length, in one pass.
+Rolling back rejected draft tokens is one call on the cache: ``cache.rollback(start, kept_rows)``
+keeps the verify rows of the accepted path (for a chain, a prefix: the same as ``cache.trim(n)``).
+A batched forward runs many sequences, each with its own cache and length, in one pass.
 
 Shapes: ``B`` batch, ``S`` new tokens this call, ``T`` tokens in the cache before the call, ``V``
 vocabulary, ``H`` hidden size.
@@ -32,7 +33,8 @@ class BatchOutput:
 
 @runtime_checkable
 class KVCache(Protocol):
-    """Keys and values of the tokens one sequence has seen, trimmable from the end."""
+    """Keys and values of the tokens one sequence has seen, trimmable from the end and rolled back to
+    a draft's accepted path after verification."""
 
     @property
     def length(self) -> int:
@@ -41,6 +43,13 @@ class KVCache(Protocol):
 
     def trim(self, n: int) -> None:
         """Drop the last ``n`` positions (rejected draft tokens). Raises if ``n`` exceeds the length."""
+        ...
+
+    def rollback(self, start: int, kept_rows: Sequence[int]) -> None:
+        """After a verify forward whose rows were written from position ``start`` (row 0, the pending
+        token, at ``start``; a tree's nodes after it in node order): keep the entries of
+        ``start + kept_rows[i]`` at ``start + i`` and drop every other row. ``kept_rows`` is
+        increasing and starts with 0; for a chain it is ``0 .. accepted``, a trim."""
         ...
 
 

@@ -2,10 +2,10 @@
 
 A decoder layer on the fast path makes seven quantized Linear calls, and at one token each costs a
 fixed ~30-40 us beside its weight read (the activation's row scaling and quantization, fbgemm's or
-the int4 kernel's call, the rescale; measured in NOTES.md, session 5). Three of them (q, k, v) and
+the int4 kernel's call, the rescale; measured on a 2-core CPU). Three of them (q, k, v) and
 two (gate, up) read the same input. Concatenating their weights along the outputs makes one call of
 each group: the input is quantized once and the threads split one larger product. Measured in one
-process against the unfused model (NOTES.md, session 5): the 0.5B on int8 8% faster per token,
+process against the unfused model: the 0.5B on int8 8% faster per token,
 the 1.5B 2% on int8, 1-4% on int4.
 
 The result is bit-identical to the separate calls: each output channel's int32 dot product and its

@@ -33,7 +33,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class HFCausalLM:
     """A loaded transformers model with the verispec forward/cache protocol."""
 
-    def __init__(self, model: PreTrainedModel, name: str, tokenizer: object | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        name: str,
+        tokenizer: object | None = None,
+        *,
+        native_layers: bool = True,
+        native_attention: bool = True,
+    ) -> None:
         self.model = model.eval()
         # The engine's KV buffers are read by verispec's own attention (see verispec.models.attention).
         if hasattr(model, "set_attn_implementation"):
@@ -59,6 +67,13 @@ class HFCausalLM:
         self.lean = lean.supports(self.decoder)
         """Run the decoder with :func:`verispec.models.lean.forward` (same bits, less Python);
         False runs transformers' own forward."""
+        self.native_layers = native_layers
+        """The lean forward runs the layers' small operations in C++ where they build (float32 on
+        CPU; within rounding of transformers'); False keeps torch's, transformers' bits."""
+        self.native_attention = native_attention
+        """Decode and verify rows attend in C++ where it builds (float32 on CPU); False keeps the
+        Python loop over positions. Both paths are batch-invariant; they differ in the last bits, so
+        a model keeps one for all its forwards."""
 
     def new_cache(self) -> KVBuffer:
         return KVBuffer()
@@ -128,11 +143,19 @@ class HFCausalLM:
             else:
                 position_ids[b] = torch.arange(starts[b], starts[b] + width)
         taps = self.check_feature_layers(feature_layers)
-        rows = RowBatch(caches=caches, starts=starts, lengths=lengths, tree_masks=tree_masks)
+        rows = RowBatch(
+            caches=caches,
+            starts=starts,
+            lengths=lengths,
+            tree_masks=tree_masks,
+            native_attention=self.native_attention,
+        )
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         with prompt_rows() if not any(logits_to_keep) else nullcontext():
             if self.lean:
-                hidden = lean.forward(self.decoder, input_ids, position_ids, rows, taps)  # [B, S, H']
+                hidden = lean.forward(
+                    self.decoder, input_ids, position_ids, rows, taps, native=self.native_layers
+                )  # [B, S, H']
             else:
                 hidden = self._decoder_forward(input_ids, position_ids, rows, taps)
         for cache, n in zip(caches, lengths, strict=True):

@@ -63,7 +63,7 @@ def int4_lm_head() -> bool:
     12.0 ms of a ~47 ms 1-row step against 5.6 ms for the int4 kernel (4 rows 12.5 vs 8.5 ms), and
     without VNNI its activations are 7-bit (:data:`~verispec.models.quant._REDUCE_RANGE`), so on
     8192 of the target's own states it agreed with the float32 head's top token 96.24% of the time
-    (mean KL 0.0101 nats) against the int4 head's 96.30% (0.0067; NOTES.md, session 34). Where the
+    (mean KL 0.0101 nats) against the int4 head's 96.30% (0.0067). Where the
     kernel is the VNNI one the int8 head has 8-bit activations (and AMX tiles where there are some):
     it stays int8 there until measured. ``VERISPEC_INT4_LM_HEAD=1`` / ``0`` chooses either anywhere
     (to compare them); both live side by side in the conversion cache."""
@@ -110,7 +110,7 @@ def amx_available() -> bool:
 def uses_amx() -> bool:
     """Whether new :class:`Int4Linear` and :class:`~verispec.models.quant.RowwiseInt8Linear`
     layers run the AMX kernels: where they are available, unless ``VERISPEC_INT4_AMX=0``. On AMX a
-    verified row costs a fraction of what it costs on VNNI or fbgemm (NOTES.md, session 20), so k
+    verified row costs a fraction of what it costs on VNNI or fbgemm (docs/design.md), so k
     drafted tokens cost little more than one."""
     return os.environ.get(AMX_ENV, "1") != "0" and amx_available()
 

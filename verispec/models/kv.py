@@ -19,7 +19,8 @@ _MIN_CAPACITY = 64
 
 
 class KVBuffer:
-    """One sequence's keys and values for every layer; trimmable from the end in O(1)."""
+    """One sequence's keys and values for every layer; trimmable from the end in O(1), rolled back
+    to a tree's accepted path by moving its rows."""
 
     def __init__(self) -> None:
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [Hkv, capacity, D]
@@ -55,14 +56,20 @@ class KVBuffer:
         return self.keys[layer], self.values[layer]
 
     @torch.inference_mode()
-    def compact(self, start: int, keep: list[int]) -> None:
-        """After a token-tree forward: keep the entries at ``start + keep[i]`` (the accepted path,
-        in order) at ``start + i`` and drop the rest of the tree."""
-        idx = torch.tensor([start + k for k in keep])
-        for store in (self.keys, self.values):
-            for buf in store.values():
-                buf[:, start : start + len(keep)] = buf.index_select(1, idx)
-        self._length = start + len(keep)
+    def rollback(self, start: int, kept_rows: Sequence[int]) -> None:
+        """After a verify forward: keep the entries at ``start + kept_rows[i]`` (the pending token and
+        the accepted path, in order) at ``start + i`` and drop the rest of the draft. A chain's rows
+        are a prefix, kept in place: only the length moves back, as :meth:`trim` does."""
+        kept = list(kept_rows)
+        end = start + len(kept)
+        if end > self._length or (kept and kept[-1] >= self._length - start):
+            raise ValueError(f"cannot keep rows {kept} from {start} in a cache of {self._length}")
+        if kept != list(range(len(kept))):  # a tree's path: move its rows next to each other
+            idx = torch.tensor([start + k for k in kept])
+            for store in (self.keys, self.values):
+                for buf in store.values():
+                    buf[:, start:end] = buf.index_select(1, idx)
+        self._length = end
 
     def clone(self) -> KVBuffer:
         """An independent copy (the cost measurement gives many rows the same prefix)."""
@@ -101,6 +108,11 @@ class RowBatch:
     tree_masks: Sequence[torch.Tensor | None] | None = None
     """Per row, ``[n, n]`` bool over the row's new tokens (True = may attend), for token trees;
     None attends causally. Every new token always sees the whole cached prefix."""
+    native_attention: bool = True
+    """Attend decode and verify rows with ``kernels/rowwise_attention.cpp`` where it builds (float32
+    on CPU); False keeps the Python loop over positions (the reference the tests compare to). The
+    model's choice (:class:`~verispec.models.hf.HFCausalLM`'s ``native_attention``), carried here
+    because the attention sees the rows, not the model."""
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: object = None

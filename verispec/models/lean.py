@@ -4,7 +4,7 @@ On the CPU fast path a decode step's own work is small (the 1.5B's Linears take 
 one token), so the Python around it shows: transformers' decoder stack (module calls and hooks,
 keyword plumbing, the fused projections' part dispatch, rotary embeddings applied to q and k
 apart) cost ~23-29 ms of a 58-72 ms 1.5B int4 step on a 2-core AVX2 machine, measured with the
-Linears stubbed out (NOTES.md, session 12). This module runs the same layers with the same torch
+Linears stubbed out. This module runs the same layers with the same torch
 operations in the same order on the same tensors, so every output is bit-identical to
 transformers' forward (the tests check it), and skips only the plumbing:
 
@@ -21,7 +21,9 @@ In float32 on CPU the layers' small operations (RMSNorm with the residual add be
 embedding, the SiLU-gated product) run as one C++ call each (``kernels/layer_ops.cpp``): ~25 torch
 operations per layer become 4. Those round RMSNorm's sum and SiLU's exp differently from torch, so
 that path matches transformers within rounding, not to the bit; it is row by row and so still
-batch-invariant, and one process uses one path for every forward (:data:`use_native`).
+batch-invariant, and a model uses one path for every forward (its ``native_layers``, handed to
+:func:`forward` as ``native``: the model's choice, not the process's, so a test can run the
+reference path beside the fast one).
 """
 
 from __future__ import annotations
@@ -36,9 +38,6 @@ from verispec.models.attention import rowwise_attention
 from verispec.models.fused import FusedLinear
 from verispec.models.kv import RowBatch
 
-use_native = True
-"""Run the layers' small operations through ``kernels/layer_ops.cpp`` where it builds (float32 on
-CPU); False keeps the torch operations, transformers' bits (the reference the tests compare to)."""
 NATIVE_SOURCE = "layer_ops.cpp"
 
 _LAYERS = {
@@ -80,17 +79,23 @@ def forward(
     position_ids: torch.Tensor,  # [B, S]
     rows: RowBatch,
     taps: Sequence[int] = (),
+    *,
+    native: bool = True,
 ) -> torch.Tensor:
     """The decoder's last hidden state after its final norm, [B, S, H], as its own forward gives.
 
     ``taps``: decoder layer indices whose *normed input* (what the layer's attention reads, after
     its ``input_layernorm``) is appended, giving ``[B, S, (1 + len(taps)) H]``: EAGLE-3's low and
-    middle layer features, taken where the forward computes them anyway."""
+    middle layer features, taken where the forward computes them anyway.
+
+    ``native``: run the layers' small operations through ``kernels/layer_ops.cpp`` where it builds
+    (float32 on CPU); False keeps the torch operations, transformers' bits (the reference the tests
+    compare to)."""
     hidden = decoder.embed_tokens.forward(input_ids)
     cos, sin = decoder.rotary_emb.forward(hidden, position_ids)  # [B, S, D]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over heads, for [B, S, heads, D]
     window = _WINDOWS[type(decoder).__name__]
-    if _native_ready(hidden):
+    if native and _native_ready(hidden):
         return _native_forward(decoder, hidden, cos, sin, rows, window, taps)
     tapped: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(decoder.layers):
@@ -106,8 +111,8 @@ def with_taps(last: torch.Tensor, tapped: dict[int, torch.Tensor], taps: Sequenc
 
 
 def _native_ready(hidden: torch.Tensor) -> bool:
-    """Whether this forward runs the C++ layer operations (float32 on CPU, where they build)."""
-    if not use_native or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+    """Whether this forward can run the C++ layer operations (float32 on CPU, where they build)."""
+    if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
         return False
     return native.ready(NATIVE_SOURCE, "the lean forward keeps torch's operations")
 

@@ -6,7 +6,7 @@ k draft tokens is far from free and speculation loses. fbgemm's dynamically quan
 its int8 weights prepacked once at load and quantizes the few activation rows on the fly, so a
 forward over 8 tokens costs about what a forward over one does, and reads a quarter of the bytes.
 Measured on Qwen2.5-Coder-1.5B here (2 threads, 120-token cache, ms for 1/2/4/8/16 new tokens):
-fp32 414/880/820/850/1016, int8 72/76/71/82/119 (NOTES.md).
+fp32 414/880/820/850/1016, int8 72/76/71/82/119.
 
 Weights are quantized per output channel (symmetric), activations per call. Every Linear is
 converted, the LM head included (13% of the 1.5B's weights); embeddings and norms stay in float.
@@ -25,11 +25,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from verispec.config import Quantization
 from verispec.errors import VerispecError
-
-Quantization = Literal["auto", "none", "int8", "int4", "gguf"]
-QUANTIZATIONS: tuple[str, ...] = ("auto", "none", "int8", "int4", "gguf")
-"""``gguf`` runs a GGUF model's own quantized blocks (:mod:`verispec.models.gguf_native`)."""
 
 
 def resolve_quantization(

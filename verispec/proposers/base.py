@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
     from verispec.penalties import RequestRules
-    from verispec.verify.tree import DraftTree
 
 
 class Proposer(ABC):
@@ -46,12 +45,11 @@ class Proposer(ABC):
         """Start a sequence with this prompt; the returned object is passed back on every call."""
 
     @abstractmethod
-    def propose(self, state: Any, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
+    def propose(self, state: Any, token_ids: Sequence[int], k: int) -> Draft:
         """Draft up to ``k`` tokens to follow ``token_ids`` (every committed token, prompt included).
 
-        May return fewer than k tokens (even none) when it has nothing good to offer. A
-        :class:`~verispec.verify.tree.DraftTree` (several candidates per position) may be at most k
-        deep.
+        May return fewer than k tokens (even none) when it has nothing good to offer. A tree
+        (several candidates per position) may be at most k deep.
         """
 
     def constrain(self, state: Any, rules: RequestRules) -> None:
@@ -77,7 +75,7 @@ class Proposer(ABC):
         ks: Sequence[int],
         *,
         min_logp: float = -math.inf,
-    ) -> list[Draft | DraftTree]:
+    ) -> list[Draft]:
         """Draft for several sequences at once (a draft model batches its forwards); one by one here.
 
         ``min_logp``: for scored trees (:attr:`drafts_trees`), the path log-probability below which
@@ -105,10 +103,10 @@ class Proposer(ABC):
         self, states: Sequence[Any], rows: Sequence[Sequence[int]]
     ) -> None:
         """The engine's prefill chunks (prompt tokens), as it feeds them to the target, for the
-        sequences whose draft the depth policy expects to start (``SpecEngine._draft_prefill_pays``).
-        A proposer with a model of its own (a draft model) feeds them too, so its first proposal has
-        only the last prompt token to catch up on; the other sequences catch up later, if ever, in
-        one pass priced as a backlog."""
+        sequences whose draft the depth policy expects to start
+        (:meth:`~verispec.engine.drafting.Drafting.feeds_draft`). A proposer with a model of its own
+        (a draft model) feeds them too, so its first proposal has only the last prompt token to
+        catch up on; the other sequences catch up later, if ever, in one pass priced as a backlog."""
 
     def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default
         """Free per-sequence resources (a KV cache) when the sequence finishes."""

@@ -118,9 +118,9 @@ class DraftModelProposer(Proposer):
                 if i < ks[b] - 1:
                     feed[b] = [token]
         return [
-            Draft(
-                tokens=torch.tensor(t, dtype=torch.long),
-                probs=torch.stack(p) if p else None,  # greedy drafts are deterministic proposals
+            Draft.chain(
+                torch.tensor(t, dtype=torch.long),
+                torch.stack(p) if p else None,  # greedy drafts are deterministic proposals
             )
             for t, p in zip(tokens, probs, strict=True)
         ]

@@ -16,9 +16,9 @@ Per sequence the drafter keeps a KV cache of its true-feature pairs ``(h_j, x_{j
    accepted), while every expansion is one more drafter pass; stop too below the engine's
    ``min_logp``, the policy's floor for this step (on the 1.5B int4 path a second verify token
    costs ~20% of a step, so it keeps one node in most steps: the floor saved ~2 of ~7 ms of
-   drafting per step at the same accepted length, NOTES.md session 14), and within a level expand
+   drafting per step at the same accepted length, docs/design.md#node-gain-floor), and within a level expand
    only the nodes at or above that floor (the same 16-node budget: 8.2 -> 6.5 ms of drafting per
-   step, NOTES.md session 39), so that a wide budget (EAGLE-2's 60 tokens, for hardware where
+   step, docs/design.md#eagle-drafting-cost), so that a wide budget (EAGLE-2's 60 tokens, for hardware where
    verify rows are nearly free) costs little drafting where they are not;
 3. rerank: keep the ``nodes`` best-scoring nodes of everything expanded, at most k deep.
 
@@ -56,7 +56,6 @@ from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
 from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization, log_probs
 from verispec.types import Draft
-from verispec.verify.tree import DraftTree
 
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
@@ -125,7 +124,7 @@ class EagleProposer(HeadsProposer):
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
         return self.embeddings(torch.as_tensor(list(ids), dtype=torch.long)).float()
 
-    def propose(self, state: EagleState, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
+    def propose(self, state: EagleState, token_ids: Sequence[int], k: int) -> Draft:
         return self.propose_batch([state], [token_ids], [k])[0]
 
     @torch.inference_mode()
@@ -136,7 +135,7 @@ class EagleProposer(HeadsProposer):
         ks: Sequence[int],
         *,
         min_logp: float = -math.inf,
-    ) -> list[Draft | DraftTree]:
+    ) -> list[Draft]:
         """Draft every sequence's tree level by level, all sequences in one drafter pass per level
         (and one catch-up pass): the drafter's and the LM head's weights are read once per level
         for the batch instead of once per sequence, which is what a level costs at small row counts.
@@ -179,8 +178,8 @@ class EagleProposer(HeadsProposer):
         a schema's next key, its quotes and colon) that token is the node's only child, with
         certainty, in or out of the draft vocabulary: the heads cannot know the key names, and
         llguidance's masks allow only the canonical tokens of forced text, so out of the draft
-        vocabulary the heads would have no child to offer at all. The target writes them (NOTES
-        session 28), and the tree spends its nodes on the values the heads can guess."""
+        vocabulary the heads would have no child to offer at all. The target writes them
+        (docs/design.md#forced-tokens), and the tree spends its nodes on the values the heads can guess."""
         logits = self.vocab_head(features).float()
         ruled: dict[int, tuple[_Tree, RequestRules, list[int]]] = {}
         for row, (t, _) in enumerate(parents):
@@ -279,7 +278,7 @@ class _Tree:
     level: list[int] = field(default_factory=list)
     """The newest level's nodes."""
 
-    def best(self, nodes: int) -> Draft | DraftTree:
+    def best(self, nodes: int) -> Draft:
         if not self.tokens:  # the rules allowed nothing the heads can draft
             return Draft.empty()
         return best_subtree(self.tokens, self.parents, self.scores, nodes)

@@ -35,7 +35,7 @@ def heads_quantization(target: Any) -> HeadsQuantization:
     Why int4 even beside an int8 target: a drafting pass has 1-4 rows, where a product costs its
     weight read plus a fixed overhead, and both are lower for the int4 kernel than for fbgemm's
     int8 (1.5B EAGLE drafter on a 2-core AVX2 CPU, cold caches, 4 rows: 1.17 ms per pass with its
-    8k-token LM head vs 2.15 ms; NOTES.md, session 14). A draft only has to be good, not exact,
+    8k-token LM head vs 2.15 ms; docs/design.md#int4-heads). A draft only has to be good, not exact,
     and the target verifies every token at its own precision, so output is unchanged.
     """
     if getattr(target, "quantization", "none") not in ("int8", "int4", "gguf"):

@@ -33,7 +33,6 @@ from verispec.proposers.heads_base import HeadsProposer
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer, NgramState
 from verispec.types import Draft
-from verispec.verify.tree import DraftTree
 
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
@@ -90,7 +89,7 @@ class HybridProposer(Proposer):
     def prefill(self, state: HybridState, hidden: torch.Tensor) -> None:
         self.heads.prefill(state.heads, hidden)
 
-    def propose(self, state: HybridState, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
+    def propose(self, state: HybridState, token_ids: Sequence[int], k: int) -> Draft:
         return self.propose_batch([state], [token_ids], [k])[0]
 
     def propose_batch(
@@ -100,9 +99,9 @@ class HybridProposer(Proposer):
         ks: Sequence[int],
         *,
         min_logp: float = -math.inf,
-    ) -> list[Draft | DraftTree]:
+    ) -> list[Draft]:
         trees = self.heads.propose_batch([s.heads for s in states], token_ids, ks, min_logp=min_logp)
-        out: list[Draft | DraftTree] = []
+        out: list[Draft] = []
         for state, ids, k, tree in zip(states, token_ids, ks, trees, strict=True):
             state.chain = self.lookup.propose(state.lookup, ids, k).tokens.tolist()
             out.append(graft(tree, state.chain, state.acceptance.survival(len(state.chain))))
@@ -131,15 +130,15 @@ class HybridProposer(Proposer):
         self.heads.release(state.heads)
 
 
-def graft(tree: Draft | DraftTree, chain: Sequence[int], survival: Sequence[float]) -> Draft | DraftTree:
+def graft(tree: Draft, chain: Sequence[int], survival: Sequence[float]) -> Draft:
     """``tree`` with ``chain`` added as a path from the root, node j of the chain scored
     ``log survival[j]``; nodes already in the tree keep the higher score. Re-sorted best first."""
     if not chain:
         return tree
-    if isinstance(tree, DraftTree) and tree.scores is not None:
+    if tree.scores is not None:
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         scores = tree.scores.tolist()
-    elif isinstance(tree, Draft) and tree.k == 0:
+    elif tree.size == 0:
         tokens, parents, scores = [], [], []
     else:
         raise TypeError("only a scored tree (or nothing) can take a lookup branch")

@@ -35,7 +35,6 @@ from verispec.heads.vocab import VocabHead
 from verispec.proposers.base import Proposer, register
 from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization, log_probs
 from verispec.types import Draft
-from verispec.verify.tree import DraftTree
 
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
@@ -88,7 +87,7 @@ class MedusaProposer(HeadsProposer):
     ) -> None:
         state.last_hidden = self.require_hidden(hidden, self.name)[-1].detach().float().clone()
 
-    def propose(self, state: MedusaState, token_ids: Sequence[int], k: int) -> Draft | DraftTree:
+    def propose(self, state: MedusaState, token_ids: Sequence[int], k: int) -> Draft:
         return self.propose_batch([state], [token_ids], [k])[0]
 
     @torch.inference_mode()
@@ -99,8 +98,8 @@ class MedusaProposer(HeadsProposer):
         ks: Sequence[int],
         *,
         min_logp: float = -math.inf,  # one pass drafts every level: nothing to save
-    ) -> list[Draft | DraftTree]:
-        out: list[Draft | DraftTree] = [Draft.empty()] * len(states)
+    ) -> list[Draft]:
+        out: list[Draft] = [Draft.empty()] * len(states)
         ready = [i for i, s in enumerate(states) if s.last_hidden is not None and ks[i] > 0]
         if not ready:
             return out  # a one-token prompt: nothing seen yet, the first step decodes plainly

@@ -125,7 +125,7 @@ class NgramProposer(Proposer):
                 continuation += state.constraint.forced(continuation)[: k - len(continuation)]
         if not continuation:
             return Draft.empty()
-        return Draft(tokens=torch.tensor(continuation, dtype=torch.long))
+        return Draft.chain(torch.tensor(continuation, dtype=torch.long))
 
     def constrain(self, state: NgramState, rules: RequestRules) -> None:
         state.constraint = rules.constraint

@@ -39,18 +39,8 @@ from verispec.server.protocol import (
     ModelCard,
     ModelList,
 )
-from verispec.server.translate import (
-    DONE,
-    ChunkWriter,
-    Echo,
-    Kind,
-    Prepared,
-    build_request,
-    check_model,
-    full_response,
-    reject_unsupported,
-    sse,
-)
+from verispec.server.responses import DONE, ChunkWriter, Echo, Kind, full_response, sse
+from verispec.server.translate import Prepared, build_request, check_model, reject_unsupported
 from verispec.types import TokenEvent
 
 T = TypeVar("T")

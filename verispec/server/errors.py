@@ -2,7 +2,8 @@
 
 Clients (the openai package included) read the status code and this body, so every path that can
 refuse a request ends here: invalid JSON and schema violations (FastAPI's 422 becomes a 400, which is
-what OpenAI returns), :class:`~verispec.errors.VerispecError` from the engine's validation (400),
+what OpenAI returns), :class:`~verispec.errors.VerispecError` from the engine's validation (400;
+a :class:`~verispec.errors.ConfigError` names its setting, which becomes the request field in ``param``),
 a full queue (429 with ``Retry-After``), unknown routes (404) and bodies over the size limit (413).
 A 5xx means a bug or a stopped engine, never bad input.
 """
@@ -19,7 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from verispec.errors import QueueFullError, VerispecError
+from verispec.errors import ConfigError, QueueFullError, VerispecError
+from verispec.server.protocol import request_param
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,9 @@ def error_body(
 
 
 def from_verispec_error(exc: VerispecError, param: str | None = None) -> APIError:
-    """The HTTP refusal for an engine error: 429 for a full queue, else a 400."""
+    """The HTTP refusal for an engine error: 429 for a full queue, else a 400 whose ``param`` is
+    ``param`` or, for a :class:`ConfigError`, the request field of its setting (and its message
+    names that field)."""
     if isinstance(exc, QueueFullError):
         return APIError(
             429,
@@ -80,6 +84,10 @@ def from_verispec_error(exc: VerispecError, param: str | None = None) -> APIErro
             code="rate_limit_exceeded",
             headers={"Retry-After": str(exc.retry_after)},
         )
+    if isinstance(exc, ConfigError) and param is None:
+        param = request_param(exc.field)
+        if param is not None:
+            return APIError(400, exc.named(param), param=param)
     return APIError(400, str(exc), param=param)
 
 

@@ -45,7 +45,7 @@ def cap_malloc_arenas(limit: int = 2) -> bool:
     glibc gives threads that contend for malloc arenas of their own (up to 8 per core) and rarely
     returns their memory. The server's threads (the event loop, the engine's step loop, PyTorch's)
     allocate tensors of a new shape at every batch size and length, so its idle RSS kept rising for
-    ~300 requests before it levelled off (+145 MB on SmolLM2 with prompt lookup, NOTES.md session 19);
+    ~300 requests before it levelled off (+145 MB on SmolLM2 with prompt lookup);
     with two arenas it ended lower (940-976 MB after 400 requests, against 1006-1055 MB) at the same
     request rate. Called before the model load, so the threads made then are capped too.
     """

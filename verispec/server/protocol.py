@@ -7,16 +7,23 @@ takes that this server does not implement (``best_of`` with ``stream``, say) get
 the field, never a silently different answer.
 Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks are
 documented in :mod:`verispec.server`.
+
+The fields that set one of verispec's settings for a request (``temperature``, ``top_k``, ``top_p``,
+``seed``, ``speculation.num_speculative_tokens``) take their kind, bounds, default and description
+from that setting's config field (:func:`setting_field`), and say which in the schema
+(``x-verispec-setting``); :func:`request_param` maps a refused setting back to its field.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS
+from verispec.config import MAX_LOGPROBS
 from verispec.penalties import MAX_PENALTY
+from verispec.settings import setting
 
 MAX_STOP_STRINGS = 16
 """More stop strings than this is almost certainly a client bug (OpenAI allows 4)."""
@@ -38,6 +45,27 @@ def integer(**constraints: int) -> Any:
     return Annotated[int, Field(**constraints), BeforeValidator(_integral)]  # Field first: see the schema
 
 
+def setting_field(name: str, *, server_default: bool = False, note: str = "", **bounds: float) -> Any:
+    """The type of a request field that sets the setting ``name`` (:mod:`verispec.settings`) for one
+    request: its kind, bounds, default and description are the setting's, and the schema names it
+    (``x-verispec-setting``). ``bounds`` replace the setting's where the protocol takes more (vLLM's
+    ``top_k: -1``, a per-request k of 0); ``note`` adds what the protocol means beyond the setting.
+    ``server_default``: null (the default) keeps the server's own value of a server-wide setting,
+    which the description says and ``x-verispec-default`` gives."""
+    s = setting(name)
+    limits = {**(s.bounds.constraints() if s.bounds is not None else {}), **bounds}
+    kind: Any = integer(**limits) if s.kind is int else Annotated[float, Field(**limits, allow_inf_nan=False)]
+    extra: dict[str, Any] = {"x-verispec-setting": name}
+    default = s.default
+    if server_default:
+        note += f" Null (the default) keeps the server's {s.flag()} ({s.default} unless set)."
+        extra["x-verispec-default"] = s.default
+        default = None
+    text = re.sub(r"\bNone\b", "null", f"{s.help} {note}".strip())  # JSON's word for it
+    described = Field(default=default, description=text, json_schema_extra=extra)
+    return Annotated[kind | None, described]
+
+
 TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]  # type: ignore[valid-type]
 Text = Annotated[str, Field(min_length=1)]
 
@@ -51,8 +79,12 @@ class SpeculationOptions(_Strict):
 
     enabled: bool = True
     """False decodes this request plainly (same output under greedy decoding, no drafts)."""
-    num_speculative_tokens: integer(ge=0, le=MAX_SPECULATIVE_TOKENS) | None = None  # type: ignore[valid-type]
-    """Most draft tokens per step; null keeps the server's -k, values above it are cut to it."""
+    num_speculative_tokens: setting_field(  # type: ignore[valid-type]  # default: in the type
+        "num_speculative_tokens",
+        server_default=True,
+        ge=0,
+        note="0 decodes this request plainly; values above the server's are cut to it.",
+    )
 
 
 class StructuredOutputs(_Strict):
@@ -79,12 +111,11 @@ class SamplingRequest(_Strict):
     """The served model name (``GET /v1/models``); null means the one this server serves."""
     max_tokens: integer(ge=1) | None = None  # type: ignore[valid-type]
     """Tokens to generate at most; prompt plus max_tokens must fit in the model's context."""
-    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
-    """0 (the default) is greedy decoding; values below 1e-5 count as 0."""
-    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
-    top_k: integer(ge=-1) | None = None  # type: ignore[valid-type]
-    """Extension (as in vLLM): keep the k most likely tokens; 0 or -1 disables."""
-    seed: integer(ge=-(2**63), le=2**64 - 1) | None = None  # type: ignore[valid-type]
+    # The settings' fields carry their defaults in their types (setting_field); null takes it too.
+    temperature: setting_field("temperature", note="Values below 1e-5 count as 0.")  # type: ignore[valid-type]
+    top_p: setting_field("top_p")  # type: ignore[valid-type]
+    top_k: setting_field("top_k", ge=-1, note="Extension (as in vLLM); -1 also keeps them all.")  # type: ignore[valid-type]
+    seed: setting_field("seed", ge=-(2**63), le=2**64 - 1)  # type: ignore[valid-type]
     stop: str | list[str] | None = None
     """Stop strings (the output ends before the first match); needs a model with a tokenizer."""
     stop_token_ids: list[integer(ge=0)] | None = None  # type: ignore[valid-type]
@@ -324,6 +355,33 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def _setting_params() -> dict[str, str]:
+    """Each setting a request field sets, with that field's path (OpenAI's ``param``)."""
+    out = {}
+    for model, prefix in ((SamplingRequest, ""), (SpeculationOptions, "speculation.")):
+        for name, info in model.model_fields.items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and "x-verispec-setting" in extra:
+                out[str(extra["x-verispec-setting"])] = prefix + name
+    return out
+
+
+SETTING_PARAMS = _setting_params()
+ENGINE_PARAMS = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
+"""The engine's names of request options whose request field is called otherwise (every other
+option has its field's name: ``presence_penalty``, ``logit_bias``, ``stop_token_ids``, ...)."""
+
+
+def request_param(name: str) -> str | None:
+    """The request field that sets the setting or option ``name`` (a
+    :attr:`~verispec.errors.ConfigError.field`), None where no field does."""
+    param = SETTING_PARAMS.get(name) or ENGINE_PARAMS.get(name)
+    if param is not None:
+        return param
+    known = CompletionRequest.model_fields.keys() | ChatCompletionRequest.model_fields.keys()
+    return name if name in known else None
 
 
 class ErrorInfo(BaseModel):

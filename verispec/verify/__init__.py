@@ -1,5 +1,21 @@
-"""Verifiers: decide which draft tokens to keep (see ``rejection`` for the vocabulary)."""
+"""Verifiers: decide which draft tokens to keep (see ``rejection`` for the vocabulary).
 
-from verispec.verify.rejection import greedy_verify, rejection_sample, verify
+:func:`make_verifier` picks the engine's one verifier from the config; :func:`verify` is the exact
+one, for chains and trees alike.
+"""
 
-__all__ = ["greedy_verify", "rejection_sample", "verify"]
+from verispec.verify.rejection import greedy_verify, rejection_sample, verify_chain
+from verispec.verify.tree import verify_tree
+from verispec.verify.typical import verify_typical
+from verispec.verify.verifier import Verifier, make_verifier, verify
+
+__all__ = [
+    "Verifier",
+    "greedy_verify",
+    "make_verifier",
+    "rejection_sample",
+    "verify",
+    "verify_chain",
+    "verify_tree",
+    "verify_typical",
+]

@@ -107,17 +107,19 @@ def greedy_verify(
     return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_drafted=k)
 
 
-def verify(
-    draft: Draft,
+def verify_chain(
+    draft: Draft,  # a chain (draft.is_chain): k draft tokens, each after the one before
     target_logits: torch.Tensor,  # [k+1, V], the target's logits after the context and each draft token
     sampling: SamplingConfig,
     generator: torch.Generator | None,
 ) -> VerifyResult:
-    """Verify one sequence's draft: greedy when ``sampling.greedy``, exact rejection sampling otherwise.
+    """Verify one sequence's chain: greedy when ``sampling.greedy``, exact rejection sampling otherwise.
 
     The target's logits go through the same :func:`logits_to_probs` transform the draft's
     probabilities must have come from; otherwise the output is not the target's distribution.
     """
+    if not draft.is_chain:
+        raise ValueError("verify_chain takes a chain; a tree goes to verispec.verify.tree.verify_tree")
     _check_shapes(draft.tokens, draft.probs, target_logits, "target_logits")
     if sampling.greedy:
         return greedy_verify(draft.tokens, target_logits)

@@ -19,9 +19,9 @@ sqrt(epsilon) as delta). Over a tree, the accepted path is the longest path of a
 the larger sum of log p), as in Medusa; the step then adds one token sampled from the target's p
 after that path.
 
-The engine calls ``verify_tree``/``verify`` from :mod:`verispec.verify.tree` / :mod:`~verispec.verify`;
-:func:`verify_tree` and :func:`verify` here take the same arguments plus ``acceptance`` and dispatch,
-so the engine switches with its :attr:`SpecConfig.acceptance <verispec.config.SpecConfig.acceptance>`.
+Chains and trees take the same rule (a chain is a tree whose parents are i - 1). The engine picks
+this verifier once, from :attr:`SpecConfig.acceptance <verispec.config.SpecConfig.acceptance>`
+(:func:`verispec.verify.verifier.make_verifier`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ import torch
 from verispec.config import SamplingConfig
 from verispec.sampling import logits_to_probs, sample
 from verispec.types import Draft, VerifyResult
-from verispec.verify import rejection
-from verispec.verify import tree as exact_tree
-from verispec.verify.tree import DraftTree, TreeResult
+from verispec.verify.tree import verify_tree
 
 EPSILON = 0.09
 """Hard threshold: a candidate the target gives more than this is accepted (Medusa's
@@ -52,24 +50,25 @@ def threshold(p: torch.Tensor, epsilon: float = EPSILON, delta: float = DELTA) -
     return min(epsilon, delta * math.exp(-entropy))
 
 
-def typical_verify_tree(
-    tree: DraftTree,
-    target_logits: torch.Tensor,  # [N + 1, V]
+def verify_typical(
+    draft: Draft,
+    target_logits: torch.Tensor,  # [N + 1, V]: row 0 after the root, row i + 1 after node i
     sampling: SamplingConfig,
     generator: torch.Generator | None,
     *,
     epsilon: float = EPSILON,
     delta: float = DELTA,
-) -> TreeResult:
-    """LOSSY at temperature > 0 (module docstring); exact greedy verification at temperature 0."""
+) -> VerifyResult:
+    """LOSSY at temperature > 0 (module docstring); exact greedy verification at temperature 0 (the
+    greedy tree walk, which on a chain is :func:`~verispec.verify.rejection.greedy_verify`)."""
     if sampling.greedy:
-        return exact_tree.verify_tree(tree, target_logits, sampling, generator)
-    if target_logits.shape[0] != tree.size + 1:
-        raise ValueError(f"need {tree.size + 1} rows of target logits for {tree.size} nodes")
+        return verify_tree(draft, target_logits, sampling, generator)
+    if target_logits.shape[0] != draft.size + 1:
+        raise ValueError(f"need {draft.size + 1} rows of target logits for {draft.size} nodes")
     probs = logits_to_probs(target_logits, sampling).double()  # [N + 1, V]
     limits = [threshold(row, epsilon, delta) for row in probs]
-    children = tree.children()
-    tokens = tree.tokens.tolist()
+    children = draft.children()
+    tokens = draft.tokens.tolist()
     best: tuple[int, float, list[int]] = (0, 0.0, [])  # (length, log-likelihood, path)
     stack: list[tuple[int, float, list[int]]] = [(0, 0.0, [])]  # (row, log-likelihood, path)
     while stack:
@@ -83,53 +82,4 @@ def typical_verify_tree(
     path = best[2]
     last_row = path[-1] + 1 if path else 0
     last = int(sample(probs[last_row].float(), generator))
-    return TreeResult(tokens=[tokens[i] for i in path] + [last], path=path, num_drafted=tree.size)
-
-
-def typical_verify(
-    draft: Draft,
-    target_logits: torch.Tensor,  # [k + 1, V]
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    *,
-    epsilon: float = EPSILON,
-    delta: float = DELTA,
-) -> VerifyResult:
-    """A chain draft under the typical rule: LOSSY at temperature > 0, greedy-exact at 0."""
-    if sampling.greedy:
-        return rejection.verify(draft, target_logits, sampling, generator)
-    k = draft.k
-    chain = DraftTree(draft.tokens, torch.arange(k, dtype=torch.long) - 1)
-    result = typical_verify_tree(chain, target_logits, sampling, generator, epsilon=epsilon, delta=delta)
-    return VerifyResult(tokens=result.tokens, num_accepted=result.num_accepted, num_drafted=k)
-
-
-def _is_typical(acceptance: str) -> bool:
-    if acceptance not in ("exact", "typical"):
-        raise ValueError(f"acceptance must be exact or typical, got {acceptance!r}")
-    return acceptance == "typical"
-
-
-def verify_tree(
-    tree: DraftTree,
-    target_logits: torch.Tensor,
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    acceptance: str = "exact",
-) -> TreeResult:
-    """:func:`verispec.verify.tree.verify_tree` (``exact``) or :func:`typical_verify_tree`
-    (``typical``, LOSSY)."""
-    rule = typical_verify_tree if _is_typical(acceptance) else exact_tree.verify_tree
-    return rule(tree, target_logits, sampling, generator)
-
-
-def verify(
-    draft: Draft,
-    target_logits: torch.Tensor,
-    sampling: SamplingConfig,
-    generator: torch.Generator | None,
-    acceptance: str = "exact",
-) -> VerifyResult:
-    """:func:`verispec.verify.rejection.verify` (``exact``) or :func:`typical_verify` (``typical``, LOSSY)."""
-    rule = typical_verify if _is_typical(acceptance) else rejection.verify
-    return rule(draft, target_logits, sampling, generator)
+    return VerifyResult([*(tokens[i] for i in path), last], len(path), draft.size, tuple(path))

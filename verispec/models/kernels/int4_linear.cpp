@@ -13,7 +13,7 @@
 // integers (VNNI's u8 x s8 dot products into int32, as llama.cpp's q4 x q8 dot products do) and
 // streams each weight block from memory once per call, reusing it from L1 for up to 8 activation
 // rows. The per-row integer work, not the memory, is what grows with the rows: the whole 1.5B
-// forward costs ~44 / 64 / 104 / 190 ms at 1 / 4 / 8 / 16 rows (NOTES.md has the layouts tried).
+// forward costs ~44 / 64 / 104 / 190 ms at 1 / 4 / 8 / 16 rows (docs/design.md has the layouts tried).
 // Prompts (tens to hundreds of rows) take a second entry point, int4_linear_many, that unpacks the
 // weights once per call and runs them fbgemm-style: ~1.3-1.5x the decode kernel's rows per second.
 // On Intel CPUs with AMX-INT8 a third entry point, int4_linear_amx, takes every row instead (its own

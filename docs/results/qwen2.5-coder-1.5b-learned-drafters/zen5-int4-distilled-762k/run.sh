@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# EAGLE heads fine-tuned on 762k tokens of the target's own replies, on a 2-core AMD EPYC Zen 5 (int4
+# path): plain decoding, the 0.5B draft model, EAGLE and EAGLE + lookup, the settings of
+# ../zen5-int4-sharegpt-heads/run.sh (all seven methods: all-methods/). Reports go next to this script.
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+V=.venv/bin/verispec
+OUT=${OUT:-docs/results/qwen2.5-coder-1.5b-learned-drafters/zen5-int4-distilled-762k}
+COMMON=(--target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct --threads 2
+        --methods none,draft,eagle,eagle+ngram -k 5 --depth-policy adaptive --max-new-tokens 96 --warmup 1
+        --quantization int4)
+$V bench "${COMMON[@]}" --dataset humaneval --limit 20 --out "$OUT/humaneval"
+$V bench "${COMMON[@]}" --dataset spec_bench --limit 3 --out "$OUT/spec_bench"

@@ -1,0 +1,254 @@
+"""One engine step over the running batch: prefill, then decode.
+
+- **prefill**: each new sequence feeds all its prompt tokens but the last, in chunks whose boundaries
+  depend on the prompt alone, within a per-step token budget (a draft model is fed them too where
+  the depth policy expects to use it);
+- **decode** (:meth:`Step.decode`): propose -> verify -> commit or roll back -> stats. The
+  proposer drafts for every sequence (:mod:`verispec.engine.drafting`); one batched target forward
+  scores every row's ``[pending, d_1 .. d_N]`` (a tree's nodes under a tree mask); each row is
+  verified on its own by the engine's one verifier (:mod:`verispec.verify.verifier`), its cache
+  rolled back to the accepted path, and its tokens committed.
+
+Invariant of a sequence between steps: its target cache holds every committed token but the last,
+which is fed at the next step with that step's drafts. Plain decoding is a step with an empty draft
+through the same path, so comparisons are fair and a batch of plain and speculating sequences
+mixes freely. A row's result never depends on the other rows (see :mod:`verispec.models.attention`),
+so greedy output is the same alone or in a batch, speculating or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verispec.engine.commit import commit_tokens, token_logprobs
+from verispec.engine.drafting import Drafting
+from verispec.engine.hooks import HiddenTap, StepCosts
+from verispec.engine.scheduler import Scheduler
+from verispec.engine.state import RequestOutput, SeqState, StepReport
+from verispec.errors import VerispecError
+from verispec.models.base import BatchOutput, CausalLM
+from verispec.proposers.base import Proposer
+from verispec.types import Draft, VerifyResult
+from verispec.verify import Verifier
+from verispec.verify.tree import tree_attention_inputs
+
+
+class Step:
+    """Runs prefill and decode for one engine's running batch."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        proposer: Proposer | None,
+        verify: Verifier,
+        drafting: Drafting,
+        scheduler: Scheduler,
+        costs: StepCosts,
+        tap: HiddenTap,
+        observers: list[Callable[[StepReport], Any]],
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        self.verify = verify
+        self.drafting = drafting
+        self.scheduler = scheduler
+        self.costs = costs
+        self.tap = tap
+        self.observers = observers
+
+    def run(self) -> list[RequestOutput]:
+        """Prefill the next chunks, then decode every prefilled sequence once."""
+        outputs = self.prefill()
+        ready = [s for s in self.scheduler.running if s.prefilled]
+        if ready:
+            outputs += self.guarded(ready, self.decode)
+        return outputs
+
+    def decode(self, seqs: list[SeqState]) -> list[RequestOutput]:
+        """propose -> verify -> commit or roll back -> stats, every sequence of the batch together."""
+        if self.proposer is not None:
+            _ = self.costs.policy  # built (costs measured or loaded) outside the step's timings
+        started = time.perf_counter()
+        drafts = self.drafting.propose(seqs)
+        proposed = time.perf_counter()
+        rows = VerifyRows.of(seqs, drafts)
+        scored = self._score(seqs, rows, drafts)
+        forwarded = time.perf_counter()
+        outputs, results = [], []
+        for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            logits = scored.logits[b]  # [N + 1, V]: after the pending token, then after each node
+            result = self.verify(draft, _judged(seq, draft, logits), seq.request.sampling, seq.generator)
+            seq.cache.rollback(rows.starts[b], result.kept_rows)
+            self.drafting.observe(seq, draft, result)
+            hidden = scored.hidden[b][result.kept_rows] if scored.hidden is not None else None
+            outputs.append(self._commit(seq, result, logits[result.kept_rows], hidden))
+            results.append(result)
+        self._record(seqs, drafts, results, rows, (started, proposed, forwarded))
+        return outputs
+
+    def prefill(self) -> list[RequestOutput]:
+        """Feed the next prompt chunk of sequences still prefilling, within the step's token budget,
+        in one batched forward. A chunk ends at the next multiple of ``prefill_chunk``, so how a
+        prompt is split depends on its length alone, never on what else is running."""
+        chunk = self.scheduler.config.prefill_chunk
+        budget = chunk
+        seqs, rows = [], []
+        for seq in self.scheduler.running:
+            if seq.prefilled:
+                continue
+            if budget <= 0:
+                break
+            start = seq.cache.length
+            end = min(len(seq.token_ids) - 1, (start // chunk + 1) * chunk)
+            seqs.append(seq)
+            rows.append(seq.token_ids[start:end])
+            budget -= end - start
+        if not seqs:
+            return []
+        return self.guarded(seqs, lambda seqs: self._prefill_chunks(seqs, rows))
+
+    def guarded(
+        self, seqs: list[SeqState], work: Callable[[list[SeqState]], list[RequestOutput]]
+    ) -> list[RequestOutput]:
+        """Run ``work(seqs)``; if it fails, end those requests with the error and keep serving."""
+        try:
+            return work(seqs)
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, VerispecError) else f"internal error: {exc!r}"
+            for seq in seqs:
+                self.scheduler.release(seq)
+            return [RequestOutput(s.request.request_id, finished=True, error=message) for s in seqs]
+
+    def _prefill_chunks(self, seqs: list[SeqState], rows: list[list[int]]) -> list[RequestOutput]:
+        scored = [s.request.prompt_logprobs is not None for s in seqs]
+        starts = [s.cache.length for s in seqs]
+        out = self.target.forward_batch(
+            [s.cache for s in seqs],
+            rows,
+            logits_to_keep=[len(r) if want else 0 for r, want in zip(rows, scored, strict=True)],
+            hidden_to_keep=[len(r) for r in rows] if self._needs_hidden else None,
+            feature_layers=self._feature_layers,
+        )
+        for seq, start, row, logits, want in zip(seqs, starts, rows, out.logits, scored, strict=True):
+            if want:  # the chunk's logits score the prompt's next tokens
+                nexts = seq.token_ids[start + 1 : start + 1 + len(row)]
+                seq.prompt_scores += token_logprobs(logits, nexts, int(seq.request.prompt_logprobs or 0))
+        if out.hidden is not None:
+            for seq, hidden in zip(seqs, out.hidden, strict=True):
+                self.tap.prefilled(seq, hidden)
+                if self.proposer is not None and self.proposer.needs_hidden:
+                    self.proposer.prefill(seq.proposer_state, hidden)
+        speculating = [b for b, s in enumerate(seqs) if self.drafting.feeds_draft(s)]
+        if self.proposer is not None and speculating:
+            states = [seqs[b].proposer_state for b in speculating]
+            self.proposer.prefill_tokens(states, [rows[b] for b in speculating])
+        return []
+
+    def _score(self, seqs: list[SeqState], rows: VerifyRows, drafts: list[Draft]) -> BatchOutput:
+        """The target's one forward over every sequence's pending token and draft."""
+        return self.target.forward_batch(
+            [s.cache for s in seqs],
+            rows.tokens,
+            logits_to_keep=[d.size + 1 for d in drafts],
+            return_hidden=self._needs_hidden,
+            feature_layers=self._feature_layers,
+            positions=rows.positions,
+            tree_masks=rows.masks,
+        )
+
+    def _commit(
+        self,
+        seq: SeqState,
+        result: VerifyResult,
+        logits: torch.Tensor,  # [kept, V]: the raw target's rows that gave the committed tokens
+        hidden: torch.Tensor | None,  # [kept, (1 + F) H] on the same rows, where anyone needs them
+    ) -> RequestOutput:
+        """Commit one sequence's tokens; then free it if it finished, else tell the proposer what
+        was kept; and hand the tap the hidden states of the tokens fed."""
+        wanted = seq.request.logprobs
+        scored = None if wanted is None else token_logprobs(logits, result.tokens, wanted)
+        before = len(seq.token_ids)
+        output = commit_tokens(seq, result.tokens, result.num_accepted, self.target.eos_token_ids, scored)
+        if output.finished:
+            self.scheduler.release(seq)
+        elif self.proposer is not None and seq.proposer_state is not None:
+            self.proposer.update(seq.proposer_state, seq.token_ids, result.num_accepted, hidden)
+        if hidden is not None:
+            self.tap.committed(seq, hidden, logits, len(seq.token_ids) - before)
+        return output
+
+    def _record(
+        self,
+        seqs: list[SeqState],
+        drafts: list[Draft],
+        results: list[VerifyResult],
+        rows: VerifyRows,
+        times: tuple[float, float, float],
+    ) -> None:
+        """The step's stats: timings per sequence, the cost model's correction, the step observers."""
+        started, proposed, forwarded = times
+        self.drafting.observe_step(seqs, drafts)
+        done = time.perf_counter()
+        for seq in seqs:
+            seq.stats.draft_seconds += proposed - started
+            seq.stats.verify_seconds += done - proposed
+        depths = [d.depth for d in drafts]
+        draft_s, target_s = proposed - started, forwarded - proposed
+        self.costs.observe(depths, draft_s, target_s, sum(len(r) for r in rows.tokens), rows.key_queries)
+        accepted = [r.num_accepted for r in results]
+        report = StepReport(len(seqs), depths, accepted, draft_s, target_s, len(self.scheduler.waiting))
+        for observer in self.observers:
+            observer(report)
+
+    @property
+    def _needs_hidden(self) -> bool:
+        return self.tap.observer is not None or (self.proposer is not None and self.proposer.needs_hidden)
+
+    @property
+    def _feature_layers(self) -> tuple[int, ...]:
+        return self.proposer.feature_layers if self.proposer is not None else ()
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """The target's input for a decode step: per sequence its pending token and draft tokens."""
+
+    starts: list[int]
+    """Each sequence's cache length before the forward: where its pending token goes."""
+    tokens: list[list[int]]
+    positions: list[list[int]] | None
+    """Per row (trees only): the pending token's position, then each node's (its parent's + 1)."""
+    masks: list[torch.Tensor | None] | None
+    """Per row (trees only): which of the row's tokens each may attend to; None for a chain."""
+
+    @classmethod
+    def of(cls, seqs: list[SeqState], drafts: list[Draft]) -> VerifyRows:
+        starts = [s.cache.length for s in seqs]
+        tokens, positions, masks = [], [], []
+        for seq, draft, start in zip(seqs, drafts, starts, strict=True):
+            tokens.append(seq.token_ids[start:] + draft.tokens.tolist())  # the pending token is the root
+            pos, mask = tree_attention_inputs(draft, start)
+            positions.append(pos)
+            masks.append(mask)
+        if all(m is None for m in masks):  # only chains: the model's causal path
+            return cls(starts, tokens, None, None)
+        return cls(starts, tokens, positions, masks)
+
+    @property
+    def key_queries(self) -> int:
+        """Query tokens times the cached keys each attends to, summed: what the context adds to the cost."""
+        return sum(len(r) * start for r, start in zip(self.tokens, self.starts, strict=True))
+
+
+def _judged(seq: SeqState, draft: Draft, logits: torch.Tensor) -> torch.Tensor:
+    """The target's rows as the verifier must judge them: with the request's penalties and grammar,
+    each row for the context it was computed in (the committed tokens plus the draft tokens before
+    it: :meth:`Draft.row_paths <verispec.types.Draft.row_paths>`)."""
+    if seq.rules is None:
+        return logits
+    return seq.rules.rows(logits, seq.token_ids, draft.row_paths())
