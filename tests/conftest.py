@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models for fast tests, real bundled models for slow ones."""
+"""Shared fixtures: tiny random-weight models for fast tests, real bundled models for slow ones, and
+the fixed-depth engine most tests put them in."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests import distribution
+from verispec.config import DraftModelConfig, NgramConfig, SchedulerConfig, SpecConfig
 from verispec.costs import Curve, StepCostModel
+from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
+from verispec.proposers.base import build_proposer
 
 TINY_VOCAB = 96
 
 
-def tiny_llama(seed: int, vocab: int = TINY_VOCAB) -> LlamaForCausalLM:
-    """A 2-layer Llama with random weights: milliseconds per forward, real attention and KV cache."""
+def tiny_llama(seed: int, vocab: int = TINY_VOCAB, context: int = 512) -> LlamaForCausalLM:
+    """A 2-layer Llama with random weights: milliseconds per forward, real attention and KV cache.
+    The same seed gives the same weights whatever the ``context`` (its longest sequence)."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=vocab,
@@ -28,7 +34,7 @@ def tiny_llama(seed: int, vocab: int = TINY_VOCAB) -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=None,
@@ -57,6 +63,46 @@ def tiny_target() -> HFCausalLM:
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_target: HFCausalLM) -> HFCausalLM:
     return HFCausalLM(perturbed(tiny_target.model, 0.3, seed=1), name="tiny-draft")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_target() -> HFCausalLM:
+    """The tiny Llama with a vocabulary small enough for :mod:`tests.distribution` to enumerate every
+    continuation: the target of the chi-square tests."""
+    return HFCausalLM(tiny_llama(0, vocab=distribution.VOCAB), name="tiny-target-12")
+
+
+@pytest.fixture(scope="session")
+def prefix_logits(small_vocab_target: HFCausalLM) -> list[torch.Tensor]:
+    """The chi-square tests' exact reference: :func:`tests.distribution.prefix_logits`."""
+    return distribution.prefix_logits(small_vocab_target)
+
+
+def make_engine(
+    target: HFCausalLM,
+    draft: HFCausalLM | None = None,
+    method: str | None = None,
+    k: int = 4,
+    max_batch_size: int = 8,
+    max_waiting: int = 64,
+) -> SpecEngine:
+    """An engine with the fixed depth policy: drafts are proposed every step, without cost measurement.
+    ``method=None`` decodes plainly; the target's tokenizer (if it has one) detokenizes."""
+    spec = SpecConfig(
+        method=method,  # type: ignore[arg-type]
+        num_speculative_tokens=k,
+        ngram=NgramConfig(max_ngram=3, min_ngram=1),
+        draft=DraftModelConfig(model="tiny" if method == "draft" else None),
+        depth="fixed",
+    )
+    return SpecEngine(
+        target,
+        build_proposer(spec, target, draft),
+        spec,
+        tokenizer=target.tokenizer,
+        draft=draft,
+        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting),
+    )
 
 
 @pytest.fixture

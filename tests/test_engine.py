@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
-from verispec.config import DraftModelConfig, NgramConfig, SpecConfig
+from tests.conftest import make_engine, tiny_llama
+from verispec.config import DraftModelConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models.hf import HFCausalLM
@@ -14,17 +14,6 @@ from verispec.policy import PRIOR_ACCEPTANCE, AcceptancePrior, FixedDepth
 from verispec.proposers.base import build_proposer
 
 PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3]
-
-
-def make_engine(target: HFCausalLM, draft: HFCausalLM | None, method: str | None, k: int = 4) -> SpecEngine:
-    spec = SpecConfig(
-        method=method,  # type: ignore[arg-type]
-        num_speculative_tokens=k,
-        ngram=NgramConfig(max_ngram=3, min_ngram=1),
-        draft=DraftModelConfig(model="tiny" if method == "draft" else None),
-        depth="fixed",
-    )
-    return SpecEngine(target, build_proposer(spec, target, draft), spec, draft=draft)
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import verispec.engine.hooks
-from tests.conftest import TINY_VOCAB, perturbed
+from tests.conftest import perturbed, tiny_llama
 from verispec.config import DraftModelConfig, NgramConfig, SpecConfig
 from verispec.costs import load_or_measure
 from verispec.engine import SpecEngine
@@ -30,30 +29,10 @@ PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]]
 METHODS = ["ngram", "draft", "medusa", "eagle"]
 
 
-def short_llama(seed: int) -> LlamaForCausalLM:
-    """The conftest's tiny Llama with a 64-position context."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=CONTEXT,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
-
-
 @pytest.fixture(scope="module")
 def short_pair() -> tuple[HFCausalLM, HFCausalLM]:
-    target = HFCausalLM(short_llama(0), name="tiny-short")
+    """The tiny target and draft of the other tests, with a context of CONTEXT positions."""
+    target = HFCausalLM(tiny_llama(0, context=CONTEXT), name="tiny-short")
     return target, HFCausalLM(perturbed(target.model, 0.3, seed=1), name="tiny-short-draft")
 
 

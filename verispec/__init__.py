@@ -12,10 +12,10 @@ keeps ``verispec models`` and ``--help`` instant.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from verispec.errors import ConfigError, VerispecError
+from verispec.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from verispec.api import load
@@ -48,13 +48,7 @@ _LAZY = {
 """Public name -> the module that defines it (each imports PyTorch)."""
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'verispec' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -32,6 +32,17 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT_COLOR = "\033[32m"  # accepted draft tokens: green
 RESET = "\033[0m"
 
+REQUEST_FLAGS = (
+    "max_new_tokens",
+    *SAMPLING_FLAGS,
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+"""The flags of ``generate`` that are options of :meth:`~verispec.engine.SpecEngine.make_request`
+under the same name."""
+
 CORE_COMMANDS = ("generate", "serve", "models")
 """Commands whose parser needs none of the tools' modules (bench, training), which import PyTorch."""
 
@@ -240,19 +251,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = engine.apply_chat_template(messages)
     else:
         prompt_ids = prompt if engine.tokenizer is not None else _parse_token_ids(prompt)
-    sampling = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop,
-        stop_token_ids=stop_token_ids,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        structured=structured,
-    )
+    sampling = {name: getattr(args, name) for name in REQUEST_FLAGS}
+    sampling.update(stop_token_ids=stop_token_ids, structured=structured)
     color = args.show_drafts or (sys.stdout.isatty() and not args.json)
     if args.compare_plain and engine.proposer is not None:
         # Warm both paths up (kernel JIT for new shapes, first touches of weights) so the timed

@@ -31,7 +31,7 @@ import bisect
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,31 +81,26 @@ class Curve:
         return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+@dataclass(eq=False, repr=False)
 class StepCostModel:
     """Predicted seconds of a step's target forward and draft steps, corrected by observed steps."""
 
-    def __init__(
-        self,
-        target: Curve,
-        draft: Curve | None = None,
-        per_key: float = 0.0,
-        correction: float = 0.1,
-        draft_prefill: Curve | None = None,
-    ) -> None:
-        self.target = target
-        self.draft = draft
-        self.draft_prefill = draft_prefill
-        """One draft pass over n tokens of one sequence (None: priced with ``draft`` instead)."""
-        self.per_key = per_key
-        """Seconds per query token per cached key it attends to (beyond the curve's short context)."""
-        self.correction = correction
-        self.target_scale = 1.0
-        """Measured / predicted over every observed step (the counts past :data:`_MAX_OWN_SCALE`)."""
-        self.count_scales: dict[int, float] = {}
-        """Measured / predicted per token count of observed steps, up to :data:`_MAX_OWN_SCALE`."""
-        self._scales: list[float] = []  # per count 1.._MAX_OWN_SCALE, from count_scales
-        self._seconds: list[float] = []  # the corrected curve there, non-decreasing
-        self.draft_scale = 1.0
+    target: Curve
+    draft: Curve | None = None
+    per_key: float = 0.0
+    """Seconds per query token per cached key it attends to (beyond the curve's short context)."""
+    correction: float = 0.1
+    draft_prefill: Curve | None = None
+    """One draft pass over n tokens of one sequence (None: priced with ``draft`` instead)."""
+    target_scale: float = field(default=1.0, init=False)
+    """Measured / predicted over every observed step (the counts past :data:`_MAX_OWN_SCALE`)."""
+    count_scales: dict[int, float] = field(default_factory=dict, init=False)
+    """Measured / predicted per token count of observed steps, up to :data:`_MAX_OWN_SCALE`."""
+    # from count_scales: the scale per count 1.._MAX_OWN_SCALE, and the corrected curve there
+    # (non-decreasing)
+    _scales: list[float] = field(default_factory=list, init=False)
+    _seconds: list[float] = field(default_factory=list, init=False)
+    draft_scale: float = field(default=1.0, init=False)
 
     def target_seconds(self, tokens: int, key_queries: float = 0.0) -> float:
         """A forward of ``tokens`` tokens whose queries attend to ``key_queries`` cached keys in all."""

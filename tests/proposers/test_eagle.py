@@ -11,16 +11,12 @@ import torch
 from tests.conftest import tiny_llama
 from tests.proposers.heads_checks import (
     PROMPTS,
+    SAMPLINGS,
     assert_greedy_equals_plain_with_deep_trees,
     assert_lossless_on_the_int8_path,
+    assert_trees_sample_the_target,
+    mid_generation,
     plain_outputs,
-)
-from tests.test_engine_distribution import (  # noqa: F401 - fixtures
-    SEEDS,
-    assert_follows_target,
-    generate_all,
-    prefix_logits,
-    target,
 )
 from tests.training.tiny import trained
 from verispec.config import SamplingConfig, SpecConfig
@@ -66,10 +62,7 @@ def test_eagle_with_feature_layers_drafts_from_the_fused_taps(tiny_target):
     engine = eagle_engine(tiny_target, drafter)
     assert engine.proposer.feature_layers == (1,)
     assert_greedy_equals_plain_with_deep_trees(engine)
-    engine.add(engine.make_request(PROMPTS[1], max_new_tokens=30))
-    for _ in range(5):
-        engine.step()
-    seq = engine.running[0]
+    seq = mid_generation(engine, PROMPTS[1], steps=5)
     state, ids = seq.proposer_state, seq.token_ids
     rows = tiny_target.forward_batch(
         [tiny_target.new_cache()], [ids[:-1]], logits_to_keep=[0], hidden_to_keep=[len(ids) - 1],
@@ -99,10 +92,7 @@ def test_the_draft_cache_holds_every_committed_pair_with_true_features(tiny_targ
     the target's hidden states computed afresh: nothing drafted leaked into it."""
     drafter, _, _ = trained(tiny_target, "eagle")
     engine = eagle_engine(tiny_target, drafter)
-    engine.add(engine.make_request(PROMPTS[0], max_new_tokens=30))
-    for _ in range(5):
-        engine.step()
-    seq = engine.running[0]
+    seq = mid_generation(engine, PROMPTS[0], steps=5)
     state = seq.proposer_state
     ids = seq.token_ids
     hidden = tiny_target.forward(
@@ -316,22 +306,15 @@ def test_registry_loads_eagle_heads_and_refuses_another_target(tmp_path, tiny_ta
         )
 
 
-@pytest.mark.parametrize(
-    "sampling",
-    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_k=4)],
-    ids=["temperature-1", "top-k-4"],
-)
-def test_eagle_engine_samples_the_target_distribution(target, prefix_logits, sampling):  # noqa: F811
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+def test_eagle_engine_samples_the_target_distribution(small_vocab_target, prefix_logits, sampling):
     """A random drafter's 3-deep dynamic trees: the sampled sequences must follow the target's joint
     distribution whatever the drafter proposes."""
     torch.manual_seed(4)
-    drafter = EagleDrafter(EagleConfig.for_target(target)).eval()
+    drafter = EagleDrafter(EagleConfig.for_target(small_vocab_target)).eval()
     engine = SpecEngine(
-        target,
-        eagle_proposer(target, drafter, nodes=6, width=3),
+        small_vocab_target,
+        eagle_proposer(small_vocab_target, drafter, nodes=6, width=3),
         SpecConfig(method="eagle", num_speculative_tokens=3, depth="fixed"),
     )
-    tokens, totals = generate_all(engine, sampling, SEEDS)
-    assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
-    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
-    assert_follows_target(tokens, prefix_logits, sampling)
+    assert_trees_sample_the_target(engine, prefix_logits, sampling)

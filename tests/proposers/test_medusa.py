@@ -13,14 +13,9 @@ from tests.proposers.heads_checks import (
     PROMPTS,
     assert_greedy_equals_plain_with_deep_trees,
     assert_lossless_on_the_int8_path,
+    assert_trees_sample_the_target,
+    mid_generation,
     plain_outputs,
-)
-from tests.test_engine_distribution import (  # noqa: F401 - fixtures
-    SEEDS,
-    assert_follows_target,
-    generate_all,
-    prefix_logits,
-    target,
 )
 from tests.training.tiny import trained
 from verispec.config import SamplingConfig, SpecConfig
@@ -55,10 +50,7 @@ def test_greedy_medusa_on_the_int8_path_equals_plain():
 def test_the_proposer_drafts_from_the_state_before_the_pending_token(tiny_target):
     heads, _, _ = trained(tiny_target, "medusa")
     engine = medusa_engine(tiny_target, heads)
-    engine.add(engine.make_request(PROMPTS[1], max_new_tokens=30))
-    for _ in range(4):
-        engine.step()
-    seq = engine.running[0]
+    seq = mid_generation(engine, PROMPTS[1], steps=4)
     ids = seq.token_ids[:-1]  # the pending (last) token has not been through the target yet
     fresh = tiny_target.forward(
         torch.tensor([ids]), tiny_target.new_cache(), logits_to_keep=0, return_hidden=True
@@ -100,19 +92,16 @@ def test_registry_loads_heads_from_a_folder_and_refuses_another_target(tmp_path,
     [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.9)],
     ids=["temperature-1", "temperature-0.7-top-p-0.9"],
 )
-def test_medusa_engine_samples_the_target_distribution(target, prefix_logits, sampling):  # noqa: F811
+def test_medusa_engine_samples_the_target_distribution(small_vocab_target, prefix_logits, sampling):
     """Random heads (they need not be good: only acceptance depends on them) proposing 2-deep trees of
     top-3 candidates; every sampled sequence must still follow the target's joint distribution."""
     torch.manual_seed(3)
     heads = MedusaHeads(MedusaConfig(hidden_size=64, num_heads=2))
     for p in heads.parameters():
         p.data.normal_(0, 0.2)
-    spec = SpecConfig(method="medusa", num_speculative_tokens=2, depth="fixed")
-    engine = SpecEngine(target, MedusaProposer(heads, VocabHead(target, None), nodes=6, width=3), spec)
-    tokens, totals = generate_all(engine, sampling, SEEDS)
-    assert 0 < totals["accepted_at"][0] < totals["drafted_at"][0], totals
-    assert 0 < totals["accepted_at"][1] < totals["drafted_at"][1], totals
-    assert_follows_target(tokens, prefix_logits, sampling)
+    assert_trees_sample_the_target(
+        medusa_engine(small_vocab_target, heads, k=2, nodes=6), prefix_logits, sampling
+    )
 
 
 def test_the_adaptive_policy_sizes_trees_by_cost_and_stays_lossless(tiny_target):

@@ -10,19 +10,19 @@ import openai
 import pytest
 
 import verispec
-from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair
+from tests.server.harness import LiveServer, live_server, tiny_server
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     """A tiny target with a real tokenizer and its perturbed draft, k = 3, served as ``tiny``."""
-    target, draft = tiny_pair()
-    with live_server(make_engine(target, draft, "draft", k=3), name="tiny") as live:
+    with tiny_server("tiny", k=3) as live:
         yield live
 
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> openai.OpenAI:
+    """A client of ``server``: of this folder's, or of the one a module defines for itself."""
     return server.client()
 
 

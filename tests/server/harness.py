@@ -21,12 +21,10 @@ import torch
 import uvicorn
 from transformers import PreTrainedTokenizerFast
 
-from tests.conftest import perturbed, tiny_llama
+from tests.conftest import make_engine, perturbed, tiny_llama
 from verispec.async_engine import AsyncEngine
-from verispec.config import DraftModelConfig, NgramConfig, SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
 from verispec.server import bind_socket, create_app
 from verispec.server.metrics import ServerMetrics
 
@@ -74,32 +72,6 @@ def tiny_pair(context: int = 512) -> tuple[HFCausalLM, HFCausalLM]:
         m.config.max_position_embeddings = context
     target = HFCausalLM(model, name="tiny-target", tokenizer=tokenizer)
     return target, HFCausalLM(draft, name="tiny-draft", tokenizer=tokenizer)
-
-
-def make_engine(
-    target: HFCausalLM,
-    draft: HFCausalLM | None = None,
-    method: str | None = None,
-    k: int = 4,
-    max_batch_size: int = 8,
-    max_waiting: int = 64,
-) -> SpecEngine:
-    """An engine with the fixed depth policy: drafts are proposed every step, without cost measurement."""
-    spec = SpecConfig(
-        method=method,  # type: ignore[arg-type]
-        num_speculative_tokens=k,
-        ngram=NgramConfig(max_ngram=3, min_ngram=1),
-        draft=DraftModelConfig(model="tiny" if method == "draft" else None),
-        depth="fixed",
-    )
-    return SpecEngine(
-        target,
-        build_proposer(spec, target, draft),
-        spec,
-        tokenizer=target.tokenizer,
-        draft=draft,
-        scheduler=SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting),
-    )
 
 
 @dataclass
@@ -167,3 +139,11 @@ def live_server(engine: SpecEngine, name: str = "tiny", **app_options: Any) -> I
         async_engine.shutdown()
         sock.close()
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def tiny_server(name: str, k: int) -> Iterator[LiveServer]:
+    """The tiny target drafted for by its perturbed copy (``k`` tokens a step), served as ``name``."""
+    target, draft = tiny_pair()
+    with live_server(make_engine(target, draft, "draft", k=k), name=name) as live:
+        yield live

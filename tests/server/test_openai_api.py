@@ -9,21 +9,16 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair
+from tests.server.harness import LiveServer, live_server, make_engine, tiny_pair, tiny_server
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    target, draft = tiny_pair()
-    with live_server(make_engine(target, draft, "draft", k=4), name="tiny-spec") as live:
+    """The folder's tiny server, drafting 4 tokens a step and served as ``tiny-spec``."""
+    with tiny_server("tiny-spec", k=4) as live:
         yield live
-
-
-@pytest.fixture(scope="module")
-def client(server: LiveServer) -> openai.OpenAI:
-    return server.client()
 
 
 def stream_chat(client: openai.OpenAI, **kwargs: Any) -> list[Any]:

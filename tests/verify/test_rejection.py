@@ -9,13 +9,13 @@ check is known to have power.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tests.stats import chi_square
+from tests.wrong_verifiers import MISTAKES, ChainVerifier, Mistake, wrong_verifier
 from verispec.config import SamplingConfig
 from verispec.sampling import logits_to_probs, sample
 from verispec.types import Draft, VerifyResult
@@ -254,10 +254,8 @@ ALPHA = 1e-3
 # bad luck of the seed (16 correct-verifier checks here: under 2% that any had to be reseeded).
 # A biased verifier's statistic grows linearly with TRIALS while the critical value stays put
 # (about 24 for 7 degrees of freedom, 103 for 63): with 8000 trials the exact verifier scores
-# p > 0.03 on every check, the wrong verifiers below score chi-square in the hundreds to tens of
-# thousands, p ~ 0. Each exactness run takes 1-4 s on one CPU core.
-
-Verifier = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Generator | None], VerifyResult]
+# p > 0.03 on every check, the wrong verifiers of tests/wrong_verifiers.py score chi-square in the
+# hundreds to tens of thousands, p ~ 0. Each exactness run takes 1-4 s on one CPU core.
 
 
 @dataclass(frozen=True)
@@ -300,7 +298,7 @@ def encode(tokens: list[int]) -> int:
 
 
 def simulate(
-    lm: ToyLM, k: int, verifier: Verifier, *, deterministic_draft: bool = False, seed: int = 0
+    lm: ToyLM, k: int, verifier: ChainVerifier, *, deterministic_draft: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, Counter[int]]:
     """Generate LENGTH tokens per trial by speculative decoding; all trials advance step by step.
 
@@ -352,31 +350,6 @@ def distribution_checks(tokens: torch.Tensor, lm: ToyLM) -> dict[str, tuple[floa
     return checks
 
 
-def accept_everything(
-    draft_tokens: torch.Tensor,  # [k]
-    draft_probs: torch.Tensor | None,  # [k, V]
-    target_probs: torch.Tensor,  # [k+1, V]
-    generator: torch.Generator | None,
-) -> VerifyResult:
-    """A wrong verifier: keeps every draft token and adds a bonus token from the target."""
-    k = int(draft_tokens.shape[0])
-    return VerifyResult([*draft_tokens.tolist(), int(sample(target_probs[k], generator))], k, k)
-
-
-def recover_from_the_target(
-    draft_tokens: torch.Tensor,  # [k]
-    draft_probs: torch.Tensor | None,  # [k, V]
-    target_probs: torch.Tensor,  # [k+1, V]
-    generator: torch.Generator | None,
-) -> VerifyResult:
-    """A subtly wrong verifier: right acceptance test, but the recovered token ignores the residual."""
-    result = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
-    if result.bonus:
-        return result
-    recovered = int(sample(target_probs[result.num_accepted], generator))
-    return VerifyResult([*result.tokens[:-1], recovered], result.num_accepted, result.num_drafted)
-
-
 EXACTNESS_CASES = [
     pytest.param(SamplingConfig(temperature=1.0), 2, False, id="temperature-1"),
     pytest.param(SamplingConfig(temperature=0.7, top_p=0.8), 3, False, id="temperature-0.7-top-p-0.8"),
@@ -396,12 +369,12 @@ def test_speculative_sampling_reproduces_the_target_distribution(sampling, k, de
         assert p_value > ALPHA, f"{name}: chi-square {statistic:.1f}, p = {p_value:.2e}"
 
 
-@pytest.mark.parametrize("wrong_verifier", [accept_everything, recover_from_the_target])
-def test_a_wrong_verifier_fails_the_same_check(wrong_verifier):
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_wrong_verifier_fails_the_same_check(mistake: Mistake):
     sampling = SamplingConfig(temperature=1.0)
     k = 2
     lm = ToyLM.build(max_len=LENGTH - 1 + k, sampling=sampling)
-    tokens, _ = simulate(lm, k, wrong_verifier)
+    tokens, _ = simulate(lm, k, wrong_verifier(mistake))
     checks = distribution_checks(tokens, lm)
     for name in ("position 0", "tokens 0 and 1"):
         statistic, p_value = checks[name]

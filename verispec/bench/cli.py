@@ -18,8 +18,9 @@ import shlex
 import sys
 import textwrap
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from verispec.bench.flags import add_parser, add_plan_parser  # re-exported: the CLI registers them
 from verispec.bench.settings import PLAIN, BenchSettings
@@ -29,23 +30,17 @@ from verispec.settings import from_args, load_config
 
 __all__ = ["add_parser", "add_plan_parser", "run", "run_plan"]
 
+S = TypeVar("S")
+
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the parsed ``bench`` command; ``argv`` is recorded as the command line that made the results."""
     command = "verispec " + shlex.join(list(argv) if argv is not None else sys.argv[1:])
-    if getattr(args, "bench_command", None) == "forward":
-        return _forward(args, command)
-    if getattr(args, "bench_command", None) == "plan":
+    subcommand = getattr(args, "bench_command", None)
+    if subcommand == "plan":
         return run_plan(args)
-    if getattr(args, "bench_command", None) == "quality":
-        return _quality(args, command)
-    if getattr(args, "bench_command", None) == "serve":
-        return _serve(args, command)
-    if getattr(args, "bench_command", None) == "soak":
-        return _soak(args, command)
-    if getattr(args, "bench_command", None) == "load":
-        return _load(args, command)
-    return _bench(args, command)
+    runs = {"forward": _forward, "quality": _quality, "serve": _serve, "soak": _soak, "load": _load}
+    return runs.get(subcommand, _bench)(args, command)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -155,15 +150,12 @@ def _serve(args: argparse.Namespace, command: str) -> int:
     from verispec.bench.serve import ServeBenchSettings, results_dict, run_serve_bench, write_results
     from verispec.bench.serve_report import HEADER, report_markdown, table_rows, write_plots
 
-    settings = ServeBenchSettings(
+    settings = _from_flags(
+        ServeBenchSettings,
+        args,
         **_server_run(args),
         policies=tuple(args.policies),
         concurrency=tuple(args.concurrency),
-        requests_per_level=args.requests_per_level,
-        max_tokens=args.max_tokens,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        request_timeout=args.request_timeout,
     )
     run = run_serve_bench(settings, command, args.out)
     summaries = run.summaries
@@ -186,22 +178,20 @@ def _serve(args: argparse.Namespace, command: str) -> int:
     return 1 if failed else 0
 
 
+def _from_flags(cls: type[S], args: argparse.Namespace, **converted: Any) -> S:
+    """The settings dataclass ``cls`` with each field that has a flag of its name taken from ``args``,
+    as parsed; ``converted`` holds the fields whose flag's value needs converting (or is named
+    otherwise). Flags the dataclass has no field for are not its concern."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    given = {name: value for name, value in vars(args).items() if name in names}
+    return cls(**{**given, **converted})
+
+
 def _server_run(args: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`~verispec.bench.server_proc.ServerRun` fields shared by ``bench serve`` and ``soak``."""
+    """The converted :class:`~verispec.bench.server_proc.ServerRun` fields of ``bench serve`` and ``soak``."""
     return {
-        "target": args.target,
-        "draft": args.draft,
-        "method": args.method,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "dataset": args.dataset,
         "categories": tuple(args.categories) if args.categories else None,
-        "seed": args.seed,
-        "data_dir": args.data_dir,
-        "threads": args.threads,
-        "quantization": args.quantization,
-        "max_batch_size": args.max_batch_size,
         "server_args": tuple(args.server_args),
-        "startup_timeout": args.startup_timeout,
     }
 
 
@@ -209,17 +199,7 @@ def _soak(args: argparse.Namespace, command: str) -> int:
     _need_http_client()
     from verispec.bench.soak import SoakSettings, run_soak, summary
 
-    settings = SoakSettings(
-        **_server_run(args),
-        depth_policy=args.depth,
-        requests=args.requests,
-        concurrency=args.concurrency,
-        max_tokens=args.max_tokens,
-        disconnect_fraction=args.disconnect_fraction,
-        warmup=args.warmup,
-        rss_tolerance_pct=args.rss_tolerance_pct,
-        rss_tolerance_mb=args.rss_tolerance_mb,
-    )
+    settings = _from_flags(SoakSettings, args, **_server_run(args), depth_policy=args.depth)
     result = run_soak(settings, command, args.out)
     print(summary(result))
     print(f"wrote {args.out / 'soak.json'}", file=sys.stderr)
@@ -254,25 +234,15 @@ def _bench(args: argparse.Namespace, command: str) -> int:
     from verispec.bench.harness import run_bench
     from verispec.bench.report import table_rows, text_table, write_outputs
 
-    settings = BenchSettings(
-        target=args.target,
-        draft=args.draft,
+    settings = _from_flags(
+        BenchSettings,
+        args,
         methods=tuple(PLAIN if m == "plain" else m for m in args.methods),
         baselines=tuple(args.baselines),
-        num_speculative_tokens=args.num_speculative_tokens,
-        depth=args.depth,
         ngram=from_args(NgramConfig, args),
-        heads=args.heads,
-        tree_nodes=args.tree_nodes,
-        tree_width=args.tree_width,
-        prompt_lookup_tokens=args.prompt_lookup_tokens,
         datasets=tuple(args.dataset),
         categories=tuple(args.categories) if args.categories else None,
         limit_per_category=args.limit,
-        seed=args.seed,
-        data_dir=args.data_dir,
-        max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup,
         json_schema=_json_schema(args.json_schema),
         load=load_config(args),
     )
@@ -321,15 +291,13 @@ def _load(args: argparse.Namespace, command: str) -> int:
             synthetic_gguf.write_llama_gguf(args.build_llama_8b, shape=synthetic_gguf.LLAMA_3_1_8B)
     if not target.is_file():
         raise VerispecError(f"{target} is not a file")
-    settings = m.LoadBenchSettings(
+    settings = _from_flags(
+        m.LoadBenchSettings,
+        args,
         target=target.resolve(),
         threads=args.threads or os.cpu_count() or 1,
-        context=args.context,
         ks=tuple(args.ks),
-        repeats=args.repeats,
-        quantization=args.quantization,
         sides=tuple(args.sides),
-        timeout=args.timeout,
     )
     sides, warm = m.run_load_bench(settings, args.out)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -30,11 +30,34 @@ def _ints(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
 
 
-def _model_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
+def _target_flag(parser: argparse.ArgumentParser, default_target: str) -> None:
     parser.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+
+
+def _out_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--out", type=Path, default=Path(default), help="output folder (created if needed)")
+
+
+def _data_dir_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="folder with spec_bench/, mt_bench/, humaneval/"
+    )
+
+
+def _curve_flags(parser: argparse.ArgumentParser, context: int) -> None:
+    """The verify-cost curve's flags (``bench forward`` and ``bench load``)."""
+    parser.add_argument("--ks", type=_ints, default=[1, 2, 4, 8, 16], help="comma list of k")
+    parser.add_argument("--context", type=int, default=context, help="tokens already in the KV cache")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed forwards per k (the median is reported)"
+    )
+
+
+def _model_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
+    _target_flag(parser, default_target)
     add_flags(parser, ("draft",))
     add_load_flags(parser)
-    parser.add_argument("--out", type=Path, default=Path("results"), help="output folder (created if needed)")
+    _out_flag(parser, "results")
 
 
 def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
@@ -77,9 +100,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     bench.add_argument(
         "--categories", type=_csv, default=None, help="comma list of categories (or dataset/category) to keep"
     )
-    bench.add_argument(
-        "--data-dir", type=Path, default=None, help="folder with spec_bench/, mt_bench/, humaneval/"
-    )
+    _data_dir_flag(bench)
     bench.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn")
     bench.add_argument("--warmup", type=int, default=1, help="untimed generations per method before timing")
     bench.add_argument(
@@ -103,11 +124,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "of --context tokens. Prints a table and writes forward.json to --out.",
     )
     _model_flags(forward, default_target)
-    forward.add_argument("--ks", type=_ints, default=[1, 2, 4, 8, 16], help="comma list of k")
-    forward.add_argument("--context", type=int, default=120, help="tokens already in the KV cache")
-    forward.add_argument(
-        "--repeats", type=int, default=5, help="timed forwards per k (the median is reported)"
-    )
+    _curve_flags(forward, context=120)
     add_plan_parser(steps)
     quality = steps.add_parser(
         "quality",
@@ -120,7 +137,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "the share of reply positions where verispec's top token is llama.cpp's, and both perplexities "
         "of the replies. Writes quality.json to --out.",
     )
-    quality.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    _target_flag(quality, default_target)
     quality.add_argument(
         "--reference",
         default="float32",
@@ -161,9 +178,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         default=None,
         help="folder holding humaneval/ (and spec_bench/) (default: the packaged data)",
     )
-    quality.add_argument(
-        "--out", type=Path, default=Path("results"), help="output folder (created if needed)"
-    )
+    _out_flag(quality, "results")
     _add_serve_parser(steps, default_target)
     _add_soak_parser(steps, default_target)
     _add_load_parser(steps)
@@ -171,7 +186,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
 
 def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, out: str) -> None:
     """Flags shared by ``bench serve`` and ``bench soak``: the server's models and the prompts."""
-    parser.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    _target_flag(parser, default_target)
     add_flags(parser, ("draft", "num_speculative_tokens", "threads", "quantization"))  # the server's
     parser.add_argument(
         "--max-batch-size",
@@ -187,9 +202,7 @@ def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, ou
     )
     parser.add_argument("--categories", type=_csv, default=None, help="comma list of categories to keep")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt order")
-    parser.add_argument(
-        "--data-dir", type=Path, default=None, help="folder with spec_bench/, mt_bench/, humaneval/"
-    )
+    _data_dir_flag(parser)
     parser.add_argument(
         "--server-args",
         type=shlex.split,
@@ -199,7 +212,7 @@ def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, ou
     parser.add_argument(
         "--startup-timeout", type=float, default=900.0, help="seconds to wait for the server's /health"
     )
-    parser.add_argument("--out", type=Path, default=Path(out), help="output folder (created if needed)")
+    _out_flag(parser, out)
 
 
 def _add_load_parser(sub: argparse._SubParsersAction) -> None:
@@ -233,15 +246,11 @@ def _add_load_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument(
         "--threads", type=int, default=None, help="CPU threads of both sides (default: all cores)"
     )
-    load.add_argument("--ks", type=_ints, default=[1, 2, 4, 8, 16], help="comma list of k")
-    load.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
-    load.add_argument("--repeats", type=int, default=5, help="timed forwards per k (the median is reported)")
+    _curve_flags(load, context=128)
     load.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds one side may take before it is killed"
     )
-    load.add_argument(
-        "--out", type=Path, default=Path("results/load"), help="output folder (created if needed)"
-    )
+    _out_flag(load, "results/load")
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction, default_target: str) -> None:

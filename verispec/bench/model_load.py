@@ -42,12 +42,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.model_load_llamacpp import current_rss_mb, peak_rss_mb
+from verispec.bench.model_load_llamacpp import run_worker, timed_load
 
 SCHEMA = "verispec-bench-load/1"
 SIDES = ("verispec", "llama.cpp")
 LLAMACPP_WORKER = Path(__file__).with_name("model_load_llamacpp.py")
-"""The llama.cpp side, run as a script; its memory helpers are stdlib-only, so both sides share them."""
+"""The llama.cpp side, run as a script; its memory and worker helpers are stdlib-only, so both sides
+share them."""
 WAIT4_PEAK = "wait4: the worker died before reporting; at least this benchmark's own memory at the fork"
 """Where the peak of a side that crashed comes from (``ru_maxrss`` of ``wait4``, which Linux carries
 over from the parent, so a small number here says little)."""
@@ -139,11 +140,7 @@ def measure_verispec(settings: dict[str, Any]) -> dict[str, Any]:
     threads = settings["threads"]
     torch.set_num_threads(threads)
     cfg = ModelLoadConfig(quantization=settings["quantization"], threads=threads)
-    rss_before = current_rss_mb()
-    started = time.perf_counter()
-    model = load_model(settings["model_path"], cfg)
-    load_seconds = time.perf_counter() - started
-    peak_after_load, rss_after_load = peak_rss_mb(), current_rss_mb()
+    model, loaded = timed_load(lambda: load_model(settings["model_path"], cfg))
 
     context = settings["context"]
     generator = torch.Generator().manual_seed(1)
@@ -158,11 +155,8 @@ def measure_verispec(settings: dict[str, Any]) -> dict[str, Any]:
     with torch.inference_mode():
         curve = measure_curve(model, "verispec", settings["ks"], context, settings["repeats"])
     return {
-        "load_seconds": load_seconds,
+        **loaded,
         "first_forward_seconds": first_forward,
-        "peak_rss_after_load_mb": peak_after_load,
-        "rss_before_load_mb": rss_before,
-        "rss_after_load_mb": rss_after_load,
         "logits_finite": finite,
         "curve": curve.to_dict(),
         "details": {
@@ -186,22 +180,9 @@ def _gguf_layers(model: Any) -> int:
 
 
 def worker_main(argv: Sequence[str]) -> int:
-    """``python -m verispec.bench.model_load SETTINGS_JSON RESULT_FILE``: measure, write the result.
-
-    The result file gets the fields on success, or ``{"error": ...}`` for an exception (a crash
-    leaves it absent, and the parent reports the exit instead).
-    """
-    settings, result_path = json.loads(argv[0]), Path(argv[1])
-    try:
-        result = measure_verispec(settings)
-    except Exception as exc:  # reported as the side's failure; the parent decides what it means
-        import traceback
-
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    result["peak_rss_mb"] = peak_rss_mb()
-    result_path.write_text(json.dumps(result))
-    return 0 if "error" not in result else 1
+    """``python -m verispec.bench.model_load SETTINGS_JSON RESULT_FILE``: measure, write the result
+    (as the llama.cpp side does, :func:`~verispec.bench.model_load_llamacpp.run_worker`)."""
+    return run_worker(measure_verispec, argv)
 
 
 # -- running the sides ------------------------------------------------------------------------------

@@ -29,8 +29,11 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def peak_rss_mb() -> float:
@@ -61,6 +64,38 @@ def current_rss_mb() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+
+
+def timed_load(load: Callable[[], T]) -> tuple[T, dict[str, float | None]]:
+    """What ``load()`` returns, and the :class:`~verispec.bench.model_load.SideResult` fields of what
+    it cost: the seconds, and this process's resident memory before, after and at its peak."""
+    rss_before = current_rss_mb()
+    started = time.perf_counter()
+    loaded = load()
+    load_seconds = time.perf_counter() - started
+    return loaded, {
+        "load_seconds": load_seconds,
+        "peak_rss_after_load_mb": peak_rss_mb(),
+        "rss_before_load_mb": rss_before,
+        "rss_after_load_mb": current_rss_mb(),
+    }
+
+
+def run_worker(measure: Callable[[dict[str, Any]], dict[str, Any]], argv: Sequence[str]) -> int:
+    """A side's worker process: ``measure`` the settings ``argv[0]`` (JSON) and write the result to the
+    file ``argv[1]``: the fields on success or ``{"error": ...}`` for an exception, with the process's
+    peak memory either way (a crash leaves the file absent, and the parent reports the exit instead)."""
+    settings, result_path = json.loads(argv[0]), Path(argv[1])
+    try:
+        result = measure(settings)
+    except Exception as exc:  # reported as the side's failure; the parent decides what it means
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result["peak_rss_mb"] = peak_rss_mb()
+    result_path.write_text(json.dumps(result))
+    return 0 if "error" not in result else 1
 
 
 def load(settings: dict[str, Any]) -> tuple[Any, bool]:
@@ -97,11 +132,7 @@ def _uses_mmap(llama_cpp: Any, llm: Any) -> bool | None:
 def measure(settings: dict[str, Any]) -> dict[str, Any]:
     import llama_cpp
 
-    rss_before = current_rss_mb()
-    started = time.perf_counter()
-    llm, all_logits = load(settings)
-    load_seconds = time.perf_counter() - started
-    peak_after_load, rss_after_load = peak_rss_mb(), current_rss_mb()
+    (llm, all_logits), loaded = timed_load(lambda: load(settings))
 
     context, ks, repeats = settings["context"], settings["ks"], settings["repeats"]
     rng = random.Random(1)
@@ -125,11 +156,8 @@ def measure(settings: dict[str, Any]) -> dict[str, Any]:
             times.append((time.perf_counter() - began) * 1000)
         points.append({"k": k, "median_ms": statistics.median(times), "ms": times})
     return {
-        "load_seconds": load_seconds,
+        **loaded,
         "first_forward_seconds": first_forward,
-        "peak_rss_after_load_mb": peak_after_load,
-        "rss_before_load_mb": rss_before,
-        "rss_after_load_mb": rss_after_load,
         "logits_finite": finite,
         "curve": {"role": "llama.cpp", "model": settings["model_path"], "context": context, "points": points},
         "details": {
@@ -142,19 +170,5 @@ def measure(settings: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str]) -> int:
-    settings, result_path = json.loads(argv[0]), Path(argv[1])
-    try:
-        result = measure(settings)
-    except Exception as exc:  # reported as the side's failure
-        import traceback
-
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    result["peak_rss_mb"] = peak_rss_mb()
-    result_path.write_text(json.dumps(result))
-    return 0 if "error" not in result else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_worker(measure, sys.argv[1:]))

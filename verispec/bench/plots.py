@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from verispec.bench.aggregate import OVERALL, Summary
 from verispec.bench.settings import PLAIN
@@ -38,6 +39,19 @@ def _figure(width: float = 8.0, height: float = 4.5):  # -> matplotlib.figure.Fi
     return figure
 
 
+def save_figure(figure: Any, ax: Any, path: Path, *, drawn: bool, empty: str | None = None) -> Path:
+    """Finish and write a plot (a matplotlib ``Figure`` and its ``Axes``): its legend where anything
+    was drawn (else the ``empty`` note, so that a blank plot says why), the layout, and the PNG at
+    ``path``, which it returns."""
+    if drawn:
+        ax.legend(fontsize=8)
+    elif empty is not None:
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
+    figure.tight_layout()
+    figure.savefig(path)
+    return path
+
+
 def _bars(
     summaries: Sequence[Summary],
     value: Callable[[Summary], float | None],
@@ -65,13 +79,7 @@ def _bars(
     ax.set_xticklabels([g if g == OVERALL else g.replace("/", "\n") for g in groups], fontsize=8)
     ax.set_ylabel(label)
     ax.set_title(title, fontsize=9)
-    if methods:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no data for this plot in this run", ha="center", transform=ax.transAxes)
-    figure.tight_layout()
-    figure.savefig(path)
-    return path
+    return save_figure(figure, ax, path, drawn=bool(methods), empty="no data for this plot in this run")
 
 
 def _positions(summaries: Sequence[Summary], path: Path, title: str) -> Path:
@@ -89,10 +97,4 @@ def _positions(summaries: Sequence[Summary], path: Path, title: str) -> Path:
     ax.set_title(title, fontsize=9)
     ax.set_ylabel("acceptance (of steps that drafted this position)")
     ax.set_ylim(0, 1.05)
-    if drawn:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no speculative method in this run", ha="center", transform=ax.transAxes)
-    figure.tight_layout()
-    figure.savefig(path)
-    return path
+    return save_figure(figure, ax, path, drawn=drawn > 0, empty="no speculative method in this run")

@@ -43,45 +43,42 @@ class SpecCounts:
 
     @classmethod
     def from_stats(cls, stats: SpecStats) -> SpecCounts:
-        return cls(
-            target_forward_passes=stats.num_steps,
-            committed=stats.num_committed,
-            drafted=stats.num_drafted,
-            accepted=stats.num_accepted,
-            drafted_at=list(stats.drafted_at),
-            accepted_at=list(stats.accepted_at),
-            draft_seconds=stats.draft_seconds,
-            verify_seconds=stats.verify_seconds,
-        )
+        return cls(**{mine: _copy(getattr(stats, theirs)) for mine, theirs in _STATS_NAMES.items()})
 
     def to_stats(self) -> SpecStats:
         """The counts as :class:`SpecStats`, whose properties hold the one definition of acceptance
         rate, mean accepted length and per-position acceptance."""
-        return SpecStats(
-            num_steps=self.target_forward_passes,
-            num_committed=self.committed,
-            num_drafted=self.drafted,
-            num_accepted=self.accepted,
-            drafted_at=list(self.drafted_at),
-            accepted_at=list(self.accepted_at),
-            draft_seconds=self.draft_seconds,
-            verify_seconds=self.verify_seconds,
-        )
+        return SpecStats(**{theirs: _copy(getattr(self, mine)) for mine, theirs in _STATS_NAMES.items()})
 
     def __add__(self, other: SpecCounts) -> SpecCounts:
-        def add_lists(a: list[int], b: list[int]) -> list[int]:
-            return [x + y for x, y in zip_longest(a, b, fillvalue=0)]
+        """Field by field; the per-position lists add up position by position."""
+        sums: dict[str, Any] = {}
+        for name in _STATS_NAMES:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, list):
+                sums[name] = [a + b for a, b in zip_longest(mine, theirs, fillvalue=0)]
+            else:
+                sums[name] = mine + theirs
+        return SpecCounts(**sums)
 
-        return SpecCounts(
-            target_forward_passes=self.target_forward_passes + other.target_forward_passes,
-            committed=self.committed + other.committed,
-            drafted=self.drafted + other.drafted,
-            accepted=self.accepted + other.accepted,
-            drafted_at=add_lists(self.drafted_at, other.drafted_at),
-            accepted_at=add_lists(self.accepted_at, other.accepted_at),
-            draft_seconds=self.draft_seconds + other.draft_seconds,
-            verify_seconds=self.verify_seconds + other.verify_seconds,
-        )
+
+_STATS_NAMES = {
+    "target_forward_passes": "num_steps",
+    "committed": "num_committed",
+    "drafted": "num_drafted",
+    "accepted": "num_accepted",
+    "drafted_at": "drafted_at",
+    "accepted_at": "accepted_at",
+    "draft_seconds": "draft_seconds",
+    "verify_seconds": "verify_seconds",
+}
+"""Each :class:`SpecCounts` field (its name in ``records.jsonl``) and the :class:`SpecStats` field
+it carries."""
+
+
+def _copy(value: Any) -> Any:
+    """A list copied (the counts must not share a list with the stats they came from), else as is."""
+    return list(value) if isinstance(value, list) else value
 
 
 @dataclass

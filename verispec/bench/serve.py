@@ -49,7 +49,7 @@ from verispec.bench.datasets import BenchPrompt, load_dataset
 from verispec.bench.load import RequestSpec, client_for, run_level
 from verispec.bench.scrape import Scrape, parse_metrics, spec_delta
 from verispec.bench.serve_stats import LevelStats, LevelSummary, level_stats, summarize
-from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun, server_flags
+from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun
 from verispec.errors import VerispecError
 
 SCHEMA = "verispec-bench-serve/1"
@@ -98,20 +98,8 @@ class ServeBenchSettings(ServerRun):
 
     def server_args_for(self, policy: str) -> list[str]:
         """The ``verispec serve`` flags of ``policy`` (host and port are added by the process)."""
-        return server_flags(
-            self.target,
-            method="none" if policy == "plain" else self.speculative_method,
-            draft=self.draft,
-            num_speculative_tokens=self.num_speculative_tokens,
-            depth_policy=policy,
-            threads=self.threads,
-            quantization=self.quantization,
-            max_batch_size=self.batch_size,
-            max_waiting=max(
-                64, max(self.concurrency)
-            ),  # a level never has more requests in flight than users
-            extra=self.server_args,
-        )
+        method = "none" if policy == "plain" else self.speculative_method
+        return self.server_flags(method, policy, max(self.concurrency))
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

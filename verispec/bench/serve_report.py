@@ -145,7 +145,7 @@ def write_plots(summaries: Sequence[LevelSummary], out_dir: Path, title: str) ->
 
 
 def _lines(summaries: Sequence[LevelSummary], name: str, label: str, path: Path, title: str) -> Path:
-    from verispec.bench.plots import _figure
+    from verispec.bench.plots import _figure, save_figure
 
     figure = _figure()
     ax = figure.add_subplot()
@@ -171,8 +171,4 @@ def _lines(summaries: Sequence[LevelSummary], name: str, label: str, path: Path,
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    if policies:
-        ax.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
-    return path
+    return save_figure(figure, ax, path, drawn=bool(policies))

@@ -69,6 +69,26 @@ class ServerRun:
         if self.dataset not in DATASETS:
             raise VerispecError(f"--dataset: choose one of {', '.join(DATASETS)}")
 
+    def server_flags(self, method: str, depth_policy: str, users: int) -> list[str]:
+        """``verispec serve`` flags for one configuration serving at most ``users`` concurrent users
+        (host and port are added by the process); ``method="none"`` is plain decoding, which loads no
+        draft model (so ``draft`` is left out) and has no depth. Logs at warning level: an access line
+        per request is work the server would do only because it is being measured."""
+        args = ["--target", self.target, "--quantization", self.quantization, "--log-level", "warning"]
+        if self.threads is not None:
+            args += ["--threads", str(self.threads)]
+        max_batch_size = self.max_batch_size or users
+        max_waiting = max(64, users)  # never more requests in flight than users
+        args += ["--max-batch-size", str(max_batch_size), "--max-waiting", str(max_waiting)]
+        if method == "none":
+            args += ["--method", "none"]
+        else:
+            if self.draft:
+                args += ["--draft", self.draft]
+            k = str(self.num_speculative_tokens)
+            args += ["--method", method, "-k", k, "--depth-policy", depth_policy]
+        return args + list(self.server_args)
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["data_dir"] = str(self.data_dir) if self.data_dir else None
@@ -287,32 +307,3 @@ class RssSampler:
         while True:
             self.sample()
             await asyncio.sleep(self.interval)
-
-
-def server_flags(
-    target: str,
-    *,
-    method: str,
-    draft: str | None = None,
-    num_speculative_tokens: int = 5,
-    depth_policy: str = "adaptive",
-    threads: int | None = None,
-    quantization: str = "auto",
-    max_batch_size: int = 8,
-    max_waiting: int = 64,
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """``verispec serve`` flags for one configuration; ``method="none"`` is plain decoding, which
-    loads no draft model (so ``draft`` is left out) and has no depth. Logs at warning level: an
-    access line per request is work the server would do only because it is being measured."""
-    args = ["--target", target, "--quantization", quantization, "--log-level", "warning"]
-    if threads is not None:
-        args += ["--threads", str(threads)]
-    args += ["--max-batch-size", str(max_batch_size), "--max-waiting", str(max_waiting)]
-    if method == "none":
-        args += ["--method", "none"]
-    else:
-        if draft:
-            args += ["--draft", draft]
-        args += ["--method", method, "-k", str(num_speculative_tokens), "--depth-policy", depth_policy]
-    return args + list(extra)

@@ -45,7 +45,7 @@ from verispec.bench.datasets import BenchPrompt
 from verispec.bench.load import LevelRun, RequestSpec, client_for, run_level
 from verispec.bench.scrape import BATCH_SIZE, FINISHED, WAITING, Scrape
 from verispec.bench.serve import MB, pick_prompts, scrape
-from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun, server_flags
+from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun
 from verispec.errors import VerispecError
 
 SCHEMA = "verispec-bench-soak/1"
@@ -86,18 +86,7 @@ class SoakSettings(ServerRun):
 
     def serve_flags(self) -> list[str]:
         """The ``verispec serve`` flags (host and port are added by the process)."""
-        return server_flags(
-            self.target,
-            method=self.speculative_method,
-            draft=self.draft,
-            num_speculative_tokens=self.num_speculative_tokens,
-            depth_policy=self.depth_policy,
-            threads=self.threads,
-            quantization=self.quantization,
-            max_batch_size=self.max_batch_size or self.concurrency,
-            max_waiting=max(64, self.concurrency),
-            extra=self.server_args,
-        )
+        return self.server_flags(self.speculative_method, self.depth_policy, self.concurrency)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

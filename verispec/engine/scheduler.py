@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from verispec.config import SchedulerConfig
@@ -26,29 +27,21 @@ from verispec.sampling import make_generator
 from verispec.structured import Constraint
 
 
+@dataclass(eq=False, repr=False)
 class Scheduler:
     """The waiting queue and the running batch of one engine."""
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        target: CausalLM,
-        tokenizer: Any | None,
-        proposer: Proposer | None,
-        prior: AcceptancePrior,
-        constraint: Callable[[str], Constraint],
-    ) -> None:
-        """``prior``: the engine-wide acceptance each new sequence's estimate starts from;
-        ``constraint``: compiles a request's grammar into a matcher for its sequence."""
-        self.config = config
-        self.target = target
-        self.tokenizer = tokenizer
-        self.proposer = proposer
-        self.prior = prior
-        self.constraint = constraint
-        self.waiting: deque[SeqState] = deque()
-        self.running: list[SeqState] = []
-        self._by_id: dict[str, SeqState] = {}
+    config: SchedulerConfig
+    target: CausalLM
+    tokenizer: Any | None
+    proposer: Proposer | None
+    prior: AcceptancePrior
+    """The engine-wide acceptance each new sequence's estimate starts from."""
+    constraint: Callable[[str], Constraint]
+    """Compiles a request's grammar into a matcher for its sequence."""
+    waiting: deque[SeqState] = field(default_factory=deque, init=False)
+    running: list[SeqState] = field(default_factory=list, init=False)
+    _by_id: dict[str, SeqState] = field(default_factory=dict, init=False)
 
     def add(self, request: Request) -> None:
         """Queue a request; raises :class:`QueueFullError` when ``max_waiting`` requests already wait

@@ -38,28 +38,19 @@ from verispec.verify import Verifier
 from verispec.verify.tree import tree_attention_inputs
 
 
+@dataclass(eq=False, repr=False)
 class Step:
-    """Runs prefill and decode for one engine's running batch."""
+    """Runs prefill and decode for one engine's running batch, over the engine's parts."""
 
-    def __init__(
-        self,
-        target: CausalLM,
-        proposer: Proposer | None,
-        verify: Verifier,
-        drafting: Drafting,
-        scheduler: Scheduler,
-        costs: StepCosts,
-        tap: HiddenTap,
-        observers: list[Callable[[StepReport], Any]],
-    ) -> None:
-        self.target = target
-        self.proposer = proposer
-        self.verify = verify
-        self.drafting = drafting
-        self.scheduler = scheduler
-        self.costs = costs
-        self.tap = tap
-        self.observers = observers
+    target: CausalLM
+    proposer: Proposer | None
+    verify: Verifier
+    drafting: Drafting
+    scheduler: Scheduler
+    costs: StepCosts
+    tap: HiddenTap
+    observers: list[Callable[[StepReport], Any]]
+    """The engine's step observers, the list itself: observers added later are called too."""
 
     def run(self) -> list[RequestOutput]:
         """Prefill the next chunks, then decode every prefilled sequence once."""

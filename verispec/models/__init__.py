@@ -6,11 +6,11 @@ The protocol's classes are imported on first use (they import PyTorch), so the r
 
 from __future__ import annotations
 
-from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from verispec.config import ModelLoadConfig
+from verispec.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from verispec.models.base import BatchOutput, CausalLM, ForwardOutput, KVCache
@@ -28,13 +28,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'verispec.models' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def load_model(source: str | Path, cfg: ModelLoadConfig | None = None) -> HFCausalLM:

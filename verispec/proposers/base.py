@@ -112,6 +112,14 @@ class Proposer(ABC):
         """Free per-sequence resources (a KV cache) when the sequence finishes."""
 
 
+class BatchProposer(Proposer):
+    """A proposer that drafts a whole batch in one pass (a draft model's forward, the heads'): it
+    overrides :meth:`propose_batch`, and :meth:`propose` is a batch of one."""
+
+    def propose(self, state: Any, token_ids: Sequence[int], k: int) -> Draft:
+        return self.propose_batch([state], [token_ids], [k])[0]
+
+
 ProposerFactory = Callable[["SpecConfig", "CausalLM", "CausalLM | None"], Proposer]
 """Builds a proposer from the speculation config, the target model and an optional draft model."""
 

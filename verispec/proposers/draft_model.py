@@ -19,7 +19,7 @@ from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM, KVCache
 from verispec.penalties import RequestRules
-from verispec.proposers.base import Proposer, register
+from verispec.proposers.base import BatchProposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
 from verispec.types import Draft
 
@@ -45,7 +45,7 @@ class DraftModelState:
 
 
 @register("draft")
-class DraftModelProposer(Proposer):
+class DraftModelProposer(BatchProposer):
     name = "draft"
 
     def __init__(self, spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> None:
@@ -67,9 +67,6 @@ class DraftModelProposer(Proposer):
 
     def prefill_tokens(self, states: Sequence[DraftModelState], rows: Sequence[Sequence[int]]) -> None:
         self.model.forward_batch([s.cache for s in states], rows, logits_to_keep=[0] * len(rows))
-
-    def propose(self, state: DraftModelState, token_ids: Sequence[int], k: int) -> Draft:
-        return self.propose_batch([state], [token_ids], [k])[0]
 
     def propose_batch(
         self,

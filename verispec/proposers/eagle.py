@@ -124,9 +124,6 @@ class EagleProposer(HeadsProposer):
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
         return self.embeddings(torch.as_tensor(list(ids), dtype=torch.long)).float()
 
-    def propose(self, state: EagleState, token_ids: Sequence[int], k: int) -> Draft:
-        return self.propose_batch([state], [token_ids], [k])[0]
-
     @torch.inference_mode()
     def propose_batch(
         self,

@@ -17,7 +17,7 @@ import torch
 from verispec.errors import VerispecError
 from verispec.heads.io import LoadedHeads, load_heads, resolve_heads_folder
 from verispec.heads.vocab import VocabHead
-from verispec.proposers.base import Proposer
+from verispec.proposers.base import BatchProposer
 
 if TYPE_CHECKING:
     from verispec.config import SpecConfig
@@ -52,7 +52,7 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return logp.masked_fill(logp.isnan(), float("-inf"))
 
 
-class HeadsProposer(Proposer):
+class HeadsProposer(BatchProposer):
     """A proposer built around ``module`` (trained heads) and the target's LM head."""
 
     needs_hidden = True

@@ -27,7 +27,7 @@ import torch
 
 from verispec.heads.trees import best_subtree
 from verispec.policy import AcceptanceEstimate, AcceptancePrior
-from verispec.proposers.base import Proposer, ProposerFactory, register
+from verispec.proposers.base import BatchProposer, Proposer, ProposerFactory, register
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.heads_base import HeadsProposer
 from verispec.proposers.medusa import MedusaProposer
@@ -51,7 +51,7 @@ class HybridState:
     """The lookup continuation proposed at the last step (empty when there was none)."""
 
 
-class HybridProposer(Proposer):
+class HybridProposer(BatchProposer):
     """A :class:`HeadsProposer`'s tree plus prompt lookup's continuation (module docstring)."""
 
     needs_hidden = True
@@ -88,9 +88,6 @@ class HybridProposer(Proposer):
 
     def prefill(self, state: HybridState, hidden: torch.Tensor) -> None:
         self.heads.prefill(state.heads, hidden)
-
-    def propose(self, state: HybridState, token_ids: Sequence[int], k: int) -> Draft:
-        return self.propose_batch([state], [token_ids], [k])[0]
 
     def propose_batch(
         self,

@@ -87,9 +87,6 @@ class MedusaProposer(HeadsProposer):
     ) -> None:
         state.last_hidden = self.require_hidden(hidden, self.name)[-1].detach().float().clone()
 
-    def propose(self, state: MedusaState, token_ids: Sequence[int], k: int) -> Draft:
-        return self.propose_batch([state], [token_ids], [k])[0]
-
     @torch.inference_mode()
     def propose_batch(
         self,

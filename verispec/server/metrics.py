@@ -37,91 +37,78 @@ class ServerMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "verispec_requests",
-            "HTTP requests answered, by route and status",
-            ["endpoint", "status"],
-            registry=r,
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float], *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=self.registry)
+
+        self.requests = counter(
+            "verispec_requests", "HTTP requests answered, by route and status", "endpoint", "status"
         )
-        self.finished = Counter(
+        self.finished = counter(
             "verispec_requests_finished",
             "Generation requests by how they ended: stop, length, eos, aborted (client left) or error",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.prompt_tokens = Counter(
-            "verispec_prompt_tokens", "Prompt tokens of admitted requests", registry=r
-        )
-        self.generation_tokens = Counter(
-            "verispec_generation_tokens", "Tokens generated and sent to clients", registry=r
-        )
-        self.ttft = Histogram(
+        self.prompt_tokens = counter("verispec_prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("verispec_generation_tokens", "Tokens generated and sent to clients")
+        self.ttft = histogram(
             "verispec_time_to_first_token_seconds",
             "From the request's arrival to its first generated token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "verispec_inter_token_latency_seconds",
             "Gap between a request's tokens after the first, amortized over the tokens of one step",
-            buckets=TOKEN_GAP_BUCKETS,
-            registry=r,
+            TOKEN_GAP_BUCKETS,
         )
-        self.latency = Histogram(
+        self.latency = histogram(
             "verispec_request_latency_seconds",
             "From a generation request's arrival to its end",
-            ["endpoint"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            "endpoint",
         )
-        self.drafted = Counter("verispec_draft_tokens", "Draft tokens proposed for verification", registry=r)
-        self.accepted = Counter("verispec_accepted_tokens", "Draft tokens accepted by the target", registry=r)
-        self.position_drafted = Counter(
+        self.drafted = counter("verispec_draft_tokens", "Draft tokens proposed for verification")
+        self.accepted = counter("verispec_accepted_tokens", "Draft tokens accepted by the target")
+        self.position_drafted = counter(
             "verispec_position_draft_tokens",
             "Draft tokens proposed at each position of a step's draft (1 = first)",
-            ["position"],
-            registry=r,
+            "position",
         )
-        self.position_accepted = Counter(
+        self.position_accepted = counter(
             "verispec_position_accepted_tokens",
             "Draft tokens accepted at each position of a step's draft (1 = first)",
-            ["position"],
-            registry=r,
+            "position",
         )
-        self.verify_rows = Counter(
-            "verispec_sequence_steps",
-            "Decode steps summed over sequences (target passes per sequence)",
-            registry=r,
+        self.verify_rows = counter(
+            "verispec_sequence_steps", "Decode steps summed over sequences (target passes per sequence)"
         )
         self._drafted = self._accepted = self._rows = 0
-        Gauge(
-            "verispec_acceptance_rate",
-            "Accepted / drafted tokens since start (0 before any draft)",
-            registry=r,
+        gauge(
+            "verispec_acceptance_rate", "Accepted / drafted tokens since start (0 before any draft)"
         ).set_function(lambda: self._accepted / self._drafted if self._drafted else 0.0)
-        Gauge(
+        gauge(
             "verispec_mean_accepted_length",
             "Tokens committed per target pass per sequence since start (1.0 = plain decoding)",
-            registry=r,
         ).set_function(lambda: (self._accepted + self._rows) / self._rows if self._rows else 0.0)
-        self.batch_size = Gauge("verispec_batch_size", "Sequences decoding together", registry=r)
-        self.waiting = Gauge("verispec_waiting_requests", "Requests queued behind the batch", registry=r)
-        self.mean_depth = Gauge(
-            "verispec_step_mean_depth", "Mean draft length over the sequences of the last step", registry=r
+        self.batch_size = gauge("verispec_batch_size", "Sequences decoding together")
+        self.waiting = gauge("verispec_waiting_requests", "Requests queued behind the batch")
+        self.mean_depth = gauge(
+            "verispec_step_mean_depth", "Mean draft length over the sequences of the last step"
         )
-        self.depth = Histogram(
-            "verispec_step_depth",
-            "Draft length chosen per sequence and step",
-            buckets=DEPTH_BUCKETS,
-            registry=r,
+        self.depth = histogram(
+            "verispec_step_depth", "Draft length chosen per sequence and step", DEPTH_BUCKETS
         )
-        self.step_seconds = Histogram(
+        self.step_seconds = histogram(
             "verispec_step_seconds",
             "Time of one decode step's phases: draft (proposing) and target (verification forward)",
-            ["phase"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            "phase",
         )
 
     def observe_step(self, report: StepReport) -> None:
