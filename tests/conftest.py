@@ -18,7 +18,7 @@ from verispec.config import DraftModelConfig, NgramConfig, SchedulerConfig, Spec
 from verispec.costs import Curve, StepCostModel
 from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 TINY_VOCAB = 96
 

@@ -13,7 +13,7 @@ from verispec.config import SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import QueueFullError
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 PROMPT = [5, 17, 42, 8, 9, 61, 3]
 

@@ -11,7 +11,7 @@ from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models.hf import HFCausalLM
 from verispec.policy import PRIOR_ACCEPTANCE, AcceptancePrior, FixedDepth
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 PROMPTS = [[5, 17, 42, 8, 9, 61, 3], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [77] * 3]
 

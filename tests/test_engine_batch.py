@@ -11,7 +11,7 @@ from verispec.errors import QueueFullError, VerispecError
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import quantize_int8_dynamic
 from verispec.policy import FixedDepth
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 PROMPTS = [
     [5, 17, 42, 8, 9, 61, 3],

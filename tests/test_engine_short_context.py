@@ -18,7 +18,8 @@ from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import Proposer, build_proposer
+from verispec.proposers import build_proposer
+from verispec.proposers.base import Proposer
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.medusa import MedusaProposer
 

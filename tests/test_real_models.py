@@ -14,7 +14,7 @@ from verispec.config import ModelLoadConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models import load_model, native_gguf_by_default
 from verispec.models.int4 import cpu_supports_int4
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ from verispec.engine import SpecEngine
 from verispec.errors import ConfigError, VerispecError
 from verispec.heads.io import heads_kinds_in, shipped_heads_fit
 from verispec.models import load_model
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 if TYPE_CHECKING:
     from verispec.models import CausalLM

@@ -178,11 +178,12 @@ def _quiet_transformers() -> None:
 
 
 def _models(args: argparse.Namespace) -> int:
+    from verispec.models.cache import is_converted
     from verispec.models.registry import install, models_table
 
     if args.install:
         install(args.install)
-    print(models_table())
+    print(models_table(is_converted))
     return 0
 
 

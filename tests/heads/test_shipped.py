@@ -12,7 +12,7 @@ from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
 from verispec.heads.io import SHIPPED_DIR, file_sha256, read_config
 from verispec.models import load_model
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 SMOLLM2 = "smollm2-135m-instruct"
 CHAT_PROMPTS = [

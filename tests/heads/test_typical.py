@@ -13,7 +13,7 @@ from verispec.config import NgramConfig, SamplingConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 from verispec.types import Draft
 from verispec.verify import make_verifier, typical, verify
 

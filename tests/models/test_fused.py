@@ -104,8 +104,10 @@ def test_a_part_recomputes_for_a_new_or_changed_input_and_drops_the_product_afte
 @pytest.mark.parametrize("scheme", ["int8", pytest.param("int4", marks=needs_int4)])
 def test_a_fused_model_gives_the_unfused_logits_to_the_bit(scheme):
     model = tiny_llama(0)
-    unfused = HFCausalLM(quantize_model(copy.deepcopy(model), scheme, fuse=False), name="unfused")
-    fused = HFCausalLM(quantize_model(copy.deepcopy(model), scheme), name="fused")
+    unfused = HFCausalLM(quantize_model(copy.deepcopy(model), scheme), name="unfused")
+    quantized = quantize_model(copy.deepcopy(model), scheme)
+    fuse_projections(quantized)  # as the loaders do
+    fused = HFCausalLM(quantized, name="fused")
     assert sum(isinstance(m, FusedLinear) for m in fused.model.modules()) == 4  # 2 layers x 2 groups
     assert not any(isinstance(m, FusedLinear) for m in unfused.model.modules())
     ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])

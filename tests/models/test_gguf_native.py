@@ -29,7 +29,7 @@ from verispec.models.gguf_native import META_DONE, GGUFEmbedding
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import resolve_quantization
 from verispec.models.registry import BUNDLED, cache_root, ensure_gguf
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 SMOLLM2 = "smollm2-135m-instruct"
 QWEN05 = "qwen2.5-coder-0.5b-instruct"

@@ -23,6 +23,7 @@ from tests.models.failed_build import fail_build
 from tests.models.test_fused import needs_int4
 from verispec.errors import VerispecError
 from verispec.models import lean, native
+from verispec.models.fused import fuse_projections
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import quantize_model
 
@@ -57,6 +58,7 @@ def _pair(family: str, scheme: str, native_layers: bool = True) -> tuple[HFCausa
     model = copy.deepcopy(MODELS[family])
     if scheme != "none":
         model = quantize_model(model, scheme)
+        fuse_projections(model)  # as the loader runs it
     else:
         from verispec.models.attention import register
 

@@ -153,7 +153,9 @@ def test_models_table_shows_install_and_cache_state(tmp_path, monkeypatch, cache
     (converted / "config.json").write_text("{}")
     (converted / "verispec-source.json").write_text("{}")
 
-    lines = registry.models_table().splitlines()
+    from verispec.models.cache import is_converted
+
+    lines = registry.models_table(is_converted).splitlines()
     cells = [re.split(r"\s{2,}", line) for line in lines]  # columns are at least two spaces apart
     assert cells[0] == ["name", "role", "download", "installed", "converted", "license"]
     rows = {row[0]: row for row in cells[2:]}

@@ -10,7 +10,7 @@ from tests.test_engine import make_engine
 from verispec.config import DraftModelConfig, SamplingConfig, SpecConfig
 from verispec.costs import Curve, StepCostModel
 from verispec.engine import SpecEngine
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 
 PROMPT = [(5 * i + 2) % 90 for i in range(45)]
 

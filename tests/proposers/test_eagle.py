@@ -28,7 +28,7 @@ from verispec.heads.identity import identify
 from verispec.heads.io import save_heads
 from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 from verispec.proposers.eagle import EagleProposer, EagleState
 from verispec.types import Draft
 

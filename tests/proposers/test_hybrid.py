@@ -18,7 +18,7 @@ from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.identity import identify
 from verispec.heads.io import save_heads
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.hybrid import HybridProposer, graft
 from verispec.proposers.medusa import MedusaProposer

@@ -26,7 +26,7 @@ from verispec.heads.io import save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 from verispec.proposers.medusa import MedusaProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

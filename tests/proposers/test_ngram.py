@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from verispec.config import NgramConfig, SamplingConfig, SpecConfig
-from verispec.proposers.base import build_proposer, registered_methods
+from verispec.proposers import build_proposer, registered_methods
 from verispec.proposers.ngram import NgramProposer, NgramState
 
 GREEDY = SamplingConfig()

@@ -16,7 +16,7 @@ from verispec.cli import main
 from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.heads.identity import identify
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 from verispec.training import store as store_module
 from verispec.training.cache import open_store, prepare_store
 from verispec.training.data import DataSpec, build_examples

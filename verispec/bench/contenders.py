@@ -22,7 +22,7 @@ from verispec.bench.settings import PLAIN, BenchSettings
 from verispec.config import DraftModelConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.base import build_proposer
+from verispec.proposers import build_proposer
 from verispec.structured import Structured
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from verispec.config import MAX_LOGPROBS, MAX_SPECULATIVE_TOKENS, SamplingConfig
 from verispec.detok import token_bytes_table
 from verispec.engine.state import Request
-from verispec.errors import VerispecError
+from verispec.errors import ConfigError, VerispecError
 from verispec.fim import FimPrompt, fim_prompt
 from verispec.models.base import CausalLM
 from verispec.penalties import Penalties
@@ -58,7 +58,8 @@ class RequestBuilder:
         logit_bias: Mapping[int, float] | None = None,
         structured: Structured | None = None,
     ) -> Request:
-        """Validate a request; raises :class:`VerispecError` with a message fit for the user.
+        """Validate a request; raises :class:`VerispecError` with a message fit for the user (a
+        :class:`ConfigError` naming the option where one option is at fault).
 
         ``num_speculative_tokens``: None takes the engine's k, 0 turns speculation off, and a value
         above the engine's k is cut to it. ``logprobs``: None for none, else each token's
@@ -74,7 +75,7 @@ class RequestBuilder:
         """
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise VerispecError(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}")
+                raise ConfigError(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         penalties = Penalties(
             presence_penalty, frequency_penalty, repetition_penalty, tuple((logit_bias or {}).items())
@@ -85,7 +86,7 @@ class RequestBuilder:
             grammar = structured.grammar()
             self.constraint(grammar)  # compiles it: errors now, not once queued
         if max_new_tokens < 1:
-            raise VerispecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
         prompt_ids = self.encode(prompt)
         if len(prompt_ids) >= self.target.max_context:
             raise VerispecError(
@@ -93,16 +94,17 @@ class RequestBuilder:
                 f"{self.target.max_context}; shorten the prompt"
             )
         if stop and self.tokenizer is None:
-            raise VerispecError("stop strings need a tokenizer; this model folder has none")
+            raise ConfigError("stop", "strings need a tokenizer; this model folder has none")
         bad = [t for t in stop_token_ids if not 0 <= t < self.target.vocab_size]
         if bad:
-            raise VerispecError(f"stop_token_ids out of range [0, {self.target.vocab_size}): {bad[:5]}")
+            raise ConfigError("stop_token_ids", f"out of range [0, {self.target.vocab_size}): {bad[:5]}")
         k = self.max_speculative_tokens
         if num_speculative_tokens is not None:
             if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-                raise VerispecError(
-                    f"num_speculative_tokens must be between 0 (no speculation) and "
-                    f"{MAX_SPECULATIVE_TOKENS}, got {num_speculative_tokens}"
+                raise ConfigError(
+                    "num_speculative_tokens",
+                    f"must be between 0 (no speculation) and {MAX_SPECULATIVE_TOKENS}, "
+                    f"got {num_speculative_tokens}",
                 )
             k = min(k, num_speculative_tokens)
         extra = {"request_id": request_id} if request_id is not None else {}

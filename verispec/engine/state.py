@@ -3,8 +3,8 @@ step hands back (per request, and for metrics per step)."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
-from itertools import count
 from typing import Any
 
 import torch
@@ -17,7 +17,6 @@ from verispec.penalties import Penalties, RequestRules
 from verispec.policy import AcceptanceEstimate
 from verispec.types import TokenEvent
 
-_ids = count()
 TokenLogprobs = tuple[float, tuple[tuple[int, float], ...]]
 """A token's log-probability and the most likely tokens at its position, (id, log-probability)."""
 
@@ -32,7 +31,8 @@ class Request:
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int = 0
     """Most draft tokens per step for this request; 0 turns speculation off for it."""
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=lambda: f"req-{uuid.uuid4().hex[:16]}")
+    """Unique without a process-wide counter: engines (a plain twin, a server's) share no state."""
     logprobs: int | None = None
     """None: no log-probabilities; n: each token's, with the n most likely tokens at its position."""
     prompt_logprobs: int | None = None

@@ -23,6 +23,7 @@ from verispec.errors import VerispecError
 from verispec.models import lean
 from verispec.models.attention import register as register_attention
 from verispec.models.base import BatchOutput, ForwardOutput
+from verispec.models.fused import fuse_projections
 from verispec.models.int4 import prompt_rows
 from verispec.models.kv import KVBuffer, RowBatch
 from verispec.models.quant import quantize_model, resolve_quantization
@@ -251,6 +252,7 @@ def load_hf_folder(
         raise VerispecError(f"cannot load a causal LM from {folder}: {exc}") from exc
     if quantization != "none":
         quantize_model(model, quantization, quant_cache_file(folder, quantization))
+        fuse_projections(model)  # q/k/v and gate/up as one product each: same results, fewer calls
     tokenizer = _load_tokenizer(folder) if with_tokenizer else None
     lm = HFCausalLM(model, name=name, tokenizer=tokenizer)
     lm.quantization = quantization

@@ -185,14 +185,14 @@ def quantize_int8_dynamic(model: nn.Module, cache_file: Path | None = None) -> n
 
 
 def quantize_model(
-    model: nn.Module, scheme: Literal["int8", "int4"], cache_file: Path | None = None, *, fuse: bool = True
+    model: nn.Module, scheme: Literal["int8", "int4"], cache_file: Path | None = None
 ) -> nn.Module:
     """Convert every ``nn.Linear`` of ``model`` to ``scheme`` (int4's LM head is int4 or int8 by
     the CPU, :func:`verispec.models.int4.int4_lm_head`) and use the batch-invariant attention; cache
     as :func:`quantize_int8_dynamic` says (a cache written without some of the layers needed now,
-    such as the other kind of LM head, is rewritten with them added). With ``fuse``, Linears that
-    read the same input become one product (:mod:`verispec.models.fused`: bit-identical results,
-    fewer calls)."""
+    such as the other kind of LM head, is rewritten with them added). Loaders then fuse the
+    Linears that read the same input into one product (:func:`verispec.models.fused.fuse_projections`:
+    bit-identical results, fewer calls)."""
     from safetensors.torch import load_file, save_file
 
     from verispec.models.int4 import int4_lm_head
@@ -230,10 +230,6 @@ def quantize_model(
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
         save_file({**cached, **fresh}, str(tmp))
         tmp.replace(cache_file)
-    if fuse:
-        from verispec.models.fused import fuse_projections
-
-        fuse_projections(model)
     return model
 
 

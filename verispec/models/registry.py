@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,9 +288,10 @@ def _installed(model: BundledModel) -> str:
     return "no" if missing == len(model.packages) else "partial"
 
 
-def models_table() -> str:
-    """A plain-text table of the bundled models for ``verispec models``."""
-    from verispec.models.cache import is_converted  # cache.py builds on this module
+def models_table(is_converted: Callable[[str], bool]) -> str:
+    """A plain-text table of the bundled models for ``verispec models``; ``is_converted`` says
+    whether a model has a converted folder in the cache (:func:`verispec.models.cache.is_converted`,
+    passed in: the cache is built on this module, not the other way round)."""
 
     header = ("name", "role", "download", "installed", "converted", "license")
     rows = [

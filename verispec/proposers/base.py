@@ -15,7 +15,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from verispec.errors import VerispecError
 from verispec.types import Draft
 
 if TYPE_CHECKING:
@@ -123,38 +122,18 @@ class BatchProposer(Proposer):
 ProposerFactory = Callable[["SpecConfig", "CausalLM", "CausalLM | None"], Proposer]
 """Builds a proposer from the speculation config, the target model and an optional draft model."""
 
-_REGISTRY: dict[str, ProposerFactory] = {}
+REGISTRY: dict[str, ProposerFactory] = {}
+"""Proposer factories by method name, filled at import by :func:`register` (the built-in ones when
+:mod:`verispec.proposers` is imported); look-ups go through :func:`verispec.proposers.build_proposer`."""
 
 
 def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
     """Class or function decorator: make a proposer available under ``name``."""
 
     def wrap(factory: ProposerFactory) -> ProposerFactory:
-        if name in _REGISTRY:
+        if name in REGISTRY:
             raise ValueError(f"proposer {name!r} registered twice")
-        _REGISTRY[name] = factory
+        REGISTRY[name] = factory
         return factory
 
     return wrap
-
-
-def build_proposer(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer | None:
-    """The proposer named by ``spec.method``, or None for plain decoding."""
-    if spec.method is None:
-        return None
-    # Importing the package registers the built-in proposers.
-    import verispec.proposers  # noqa: F401
-
-    try:
-        factory = _REGISTRY[spec.method]
-    except KeyError:
-        raise VerispecError(
-            f"unknown speculation method {spec.method!r}; available: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-    return factory(spec, target, draft)
-
-
-def registered_methods() -> list[str]:
-    import verispec.proposers  # noqa: F401
-
-    return sorted(_REGISTRY)

@@ -75,9 +75,11 @@ class HeadsProposer(BatchProposer):
             raise VerispecError(f"tree nodes and width must be >= 1, got nodes={nodes} width={width}")
         module.eval()
         if quantize != "none":
+            from verispec.models.fused import fuse_projections
             from verispec.models.quant import quantize_model
 
             quantize_model(module, quantize)
+            fuse_projections(module)
         self.vocab_head = vocab_head
         self.nodes = nodes
         self.width = min(width, vocab_head.size)

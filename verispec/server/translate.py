@@ -177,14 +177,6 @@ def build_request(
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", param="stop")
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", param="stop")
-    if stop and engine.tokenizer is None:
-        raise APIError(400, f"stop strings need a tokenizer, and {engine.target.name} has none", param="stop")
-    vocab = engine.target.vocab_size
-    outside = [t for t in body.stop_token_ids or [] if t >= vocab]
-    if outside:
-        raise APIError(
-            400, f"stop_token_ids out of range [0, {vocab}): {outside[:5]}", param="stop_token_ids"
-        )
     temperature = body.temperature or 0.0
     spec = body.speculation
     try:
@@ -209,11 +201,11 @@ def build_request(
             logit_bias=_logit_bias(body.logit_bias),
             structured=structured,
         )
-    except ConfigError as exc:  # a setting refused: its field
+    except ConfigError as exc:  # a setting or option refused: its field
         raise from_verispec_error(exc) from exc
     except VerispecError as exc:
-        # Every other option the engine checks was checked above or by the schema, all but the
-        # grammar, which compiles against the vocabulary here.
+        # The engine names the option it refuses (above), all but the grammar, which compiles
+        # against the vocabulary here and was asked for by one of the structured-output fields.
         raise APIError(400, str(exc), param=asked_by) from exc
     try:
         token_bytes = None if logprobs is None else engine.token_bytes()
