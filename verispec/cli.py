@@ -23,6 +23,7 @@ from verispec.settings import (
     SPEC_FLAGS,
     add_flags,
     add_load_flags,
+    add_target_flag,
     flags_by_dest,
     from_args,
     load_kwargs,
@@ -62,7 +63,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt, speculatively")
-    gen.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
+    add_target_flag(gen, DEFAULT_TARGET)
     add_flags(gen, SPEC_FLAGS)
     gen.add_argument("--prompt", required=True, help="the prompt text ('-' reads standard input)")
     gen.add_argument(
@@ -100,7 +101,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible API (needs verispec[serve])")
-    srv.add_argument("--target", default=DEFAULT_TARGET, help="registry name, HF folder or .gguf file")
+    add_target_flag(srv, DEFAULT_TARGET)
     add_flags(srv, SPEC_FLAGS)
     add_load_flags(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")

@@ -217,6 +217,11 @@ def _shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
+def add_target_flag(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--target``: the model every command that loads one runs (the target of speculation)."""
+    parser.add_argument("--target", default=default, help="registry name, HF folder or .gguf file")
+
+
 def add_load_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """Where and how models run (:class:`~verispec.config.ModelLoadConfig`): every command that loads one."""
     add_flags(parser, LOAD_FLAGS)

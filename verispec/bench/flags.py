@@ -14,7 +14,7 @@ from pathlib import Path
 from verispec.bench.datasets import DATASETS
 from verispec.bench.settings import BASELINES, PLAIN, BenchSettings
 from verispec.config import METHODS
-from verispec.settings import add_flags, add_load_flags, setting
+from verispec.settings import add_flags, add_load_flags, add_target_flag, setting
 
 QUANTIZATIONS: tuple[str, ...] = setting("quantization").choices or ()
 
@@ -28,10 +28,6 @@ def _ints(value: str) -> list[int]:
         return [int(item) for item in _csv(value)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-
-
-def _target_flag(parser: argparse.ArgumentParser, default_target: str) -> None:
-    parser.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
 
 
 def _out_flag(parser: argparse.ArgumentParser, default: str) -> None:
@@ -54,7 +50,7 @@ def _curve_flags(parser: argparse.ArgumentParser, context: int) -> None:
 
 
 def _model_flags(parser: argparse.ArgumentParser, default_target: str) -> None:
-    _target_flag(parser, default_target)
+    add_target_flag(parser, default_target)
     add_flags(parser, ("draft",))
     add_load_flags(parser)
     _out_flag(parser, "results")
@@ -137,7 +133,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "the share of reply positions where verispec's top token is llama.cpp's, and both perplexities "
         "of the replies. Writes quality.json to --out.",
     )
-    _target_flag(quality, default_target)
+    add_target_flag(quality, default_target)
     quality.add_argument(
         "--reference",
         default="float32",
@@ -186,7 +182,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
 
 def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, out: str) -> None:
     """Flags shared by ``bench serve`` and ``bench soak``: the server's models and the prompts."""
-    _target_flag(parser, default_target)
+    add_target_flag(parser, default_target)
     add_flags(parser, ("draft", "num_speculative_tokens", "threads", "quantization"))  # the server's
     parser.add_argument(
         "--max-batch-size",

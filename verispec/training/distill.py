@@ -109,7 +109,7 @@ def _prompt_ids(engine: Any, prompt: DistillPrompt) -> list[int]:
 
 def add_distill_parser(sub: Any, default_target: str) -> None:
     """``verispec distill``: the flags (the command line module calls :func:`run_distill`)."""
-    from verispec.settings import add_load_flags
+    from verispec.settings import add_load_flags, add_target_flag
 
     p = sub.add_parser(
         "distill",
@@ -118,7 +118,7 @@ def add_distill_parser(sub: Any, default_target: str) -> None:
         "(raw completion) and JSON-mode prompts greedily with the target, appending the exact token ids "
         "to a JSON-lines file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume.",
     )
-    p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    add_target_flag(p, default_target)
     p.add_argument("--out", type=Path, required=True, help="JSON-lines file to append to")
     p.add_argument("--chat", type=int, default=600, help="ShareGPT prompts to answer")
     p.add_argument("--code", type=int, default=400, help="standard-library function prompts to complete")

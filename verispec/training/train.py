@@ -176,7 +176,7 @@ def train_heads(
 
 def add_train_parser(sub: Any, default_target: str) -> None:
     """``verispec train medusa|eagle``: the flags (the command line module calls :func:`run_train`)."""
-    from verispec.settings import add_load_flags
+    from verispec.settings import add_load_flags, add_target_flag
 
     p = sub.add_parser(
         "train",
@@ -185,7 +185,7 @@ def add_train_parser(sub: Any, default_target: str) -> None:
         "evaluation prompts), with the target's hidden states computed once and cached.",
     )
     p.add_argument("kind", choices=KINDS)
-    p.add_argument("--target", default=default_target, help="registry name, HF folder or .gguf file")
+    add_target_flag(p, default_target)
     p.add_argument(
         "--out", type=Path, default=None,
         help="folder to write config.json + model.safetensors (not needed with --data-only or --eval-only)",
