@@ -85,6 +85,27 @@ def test_products_match_a_float64_reference_of_the_quantized_activations(qtype: 
     assert (got - bias.double() - exact).abs().max() <= 0.05 * exact.abs().max()
 
 
+# Bytes of each "k" block that hold codes and group scales (not its float16 super-block scales).
+_K_FIELDS = {Q.Q4_K: slice(4, 144), Q.Q5_K: slice(4, 176), Q.Q6_K: slice(0, 208)}
+
+
+@pytest.mark.parametrize("qtype", sorted(_K_FIELDS, key=lambda t: t.name), ids=lambda t: t.name)
+def test_the_largest_codes_and_scales_do_not_overflow_the_integer_sums(qtype: Q) -> None:
+    """ "k" types sum a whole super-block in int32 before one float conversion: with every code and
+    group scale at its largest magnitude and every activation at +-127, the products still match."""
+    rows, k = 20, 512
+    blocks = random_blocks(qtype, rows, k, seed=5).reshape(rows * 2, -1)
+    blocks[:, _K_FIELDS[qtype]] = 0xFF  # codes and 6-bit scales and mins at their maximum
+    if qtype == Q.Q6_K:
+        blocks[:, 192:208] = 0x80  # int8 group scales at -128
+    blocks = blocks.reshape(rows, -1)
+    layer = gl.GGUFLinear(qtype, blocks, (rows, k))
+    x = torch.ones(3, k) * torch.tensor([[1.0], [-1.0], [0.5]])  # every activation code +-127
+    expected = reference(x, quants.dequantize(blocks, qtype).reshape(rows, k), 256)
+    got = layer(x).double()
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
 def test_a_row_scores_bit_identically_alone_and_in_any_batch(qtype: Q) -> None:
     rows, k = 50, 512

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
 import numpy as np
@@ -23,6 +24,7 @@ from verispec.config import ModelLoadConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models import gguf_linear, gguf_native, load_model
+from verispec.models.fused import GROUPS, FusedLinear, FusedPart
 from verispec.models.gguf_file import read_gguf
 from verispec.models.gguf_linear import GGUFLinear
 from verispec.models.gguf_native import META_DONE, GGUFEmbedding
@@ -85,12 +87,22 @@ def float_products(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def assert_same_weights(native: HFCausalLM, converted: HFCausalLM) -> None:
-    """Every GGUF module de-quantizes to the converted model's weight; every other parameter and
-    buffer is the converted model's, bit for bit."""
+    """Every GGUF module de-quantizes to the converted model's weight (a fused group to its members'
+    weights, concatenated); every other parameter and buffer is the converted model's, bit for bit."""
     theirs = dict(converted.model.named_modules())
-    checked = 0
+    members = {fused: names for names, fused in GROUPS.items()}
+    checked, fused = 0, 0
     for name, module in native.model.named_modules():
-        other = theirs[name]
+        if isinstance(module, FusedPart) or name.endswith(".linear"):  # a fused group's parts and product
+            continue
+        if isinstance(module, FusedLinear):
+            parent, leaf = name.rsplit(".", 1)
+            originals = [theirs[f"{parent}.{m}"] for m in members[leaf]]
+            biases = None if originals[0].bias is None else torch.cat([o.bias.detach() for o in originals])
+            other = SimpleNamespace(weight=torch.cat([o.weight.detach() for o in originals]), bias=biases)
+            module, fused = module.linear, fused + 1
+        else:
+            other = theirs[name]
         if isinstance(module, GGUFLinear | GGUFEmbedding):
             assert torch.equal(module.dequantized(), other.weight.detach()), name
             checked += 1
@@ -101,7 +113,7 @@ def assert_same_weights(native: HFCausalLM, converted: HFCausalLM) -> None:
             continue
         for key, value in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
             assert torch.equal(value, getattr(other, key)), f"{name}.{key}"
-    assert checked > 0
+    assert checked > 0 and fused > 0
 
 
 def logits(lm: HFCausalLM, ids: list[int]) -> torch.Tensor:
@@ -131,7 +143,9 @@ def test_tensor_table_is_what_gguf_reader_gives():
 def test_modules_keep_the_files_blocks(smollm2):
     """SmolLM2: Q4_1 Linears, a Q8_0 embedding, and its tied head over the embedding's blocks."""
     layer = smollm2.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, GGUFLinear) and layer.self_attn.q_proj.qtype.name == "Q4_1"
+    qkv = layer.self_attn.qkv_proj.linear  # q, k and v share a type here: one product
+    assert isinstance(qkv, GGUFLinear) and qkv.qtype.name == "Q4_1"
+    assert isinstance(layer.self_attn.q_proj, FusedPart)
     assert isinstance(layer.mlp.down_proj, GGUFLinear)
     embedding = smollm2.model.get_input_embeddings()
     assert isinstance(embedding, GGUFEmbedding) and embedding.qtype.name == "Q8_0"
@@ -279,7 +293,9 @@ def test_qwen_05b_equals_the_converted_model(tmp_path):
     native = load_native(str(path), tmp_path / "cache")
     types = {m.qtype.name for m in native.model.modules() if isinstance(m, GGUFLinear)}
     assert {"Q5_0", "Q8_0", "Q6_K", "Q4_K"} <= types | {native.model.get_input_embeddings().qtype.name}
-    assert native.model.model.layers[0].self_attn.q_proj.bias is not None
+    attention = native.model.model.layers[0].self_attn
+    fused = getattr(attention, "qkv_proj", None)  # q, k and v fuse where they share a block type
+    assert (attention.q_proj if fused is None else fused.linear).bias is not None
     converted = load_model(QWEN05, ModelLoadConfig(quantization="none"))
     assert_same_weights(native, converted)
     ids = native.tokenizer(PROMPT)["input_ids"]

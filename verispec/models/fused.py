@@ -81,7 +81,10 @@ def fuse_projections(model: nn.Module) -> int:
     """Fuse every group of :data:`GROUPS` whose members are quantized Linears of one kind with the
     same input size; returns how many groups were fused."""
     fused = 0
-    for parent in list(model.modules()):
+    # The parents only: a list of every module would keep each replaced member (and its weights)
+    # alive until the end, beside its fused copy.
+    parents = [m for m in model.modules() if any(hasattr(m, names[0]) for names in GROUPS)]
+    for parent in parents:
         for names, fused_name in GROUPS.items():
             members = [getattr(parent, n, None) for n in names]
             linear = _concatenate(members)

@@ -35,11 +35,14 @@ where ``gguf.GGUFReader`` takes 9 s for the 1.5B's header).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import functools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -54,6 +57,7 @@ from torch import nn
 
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
+from verispec.models.fused import GROUPS, fuse_projections
 from verispec.models.gguf_file import GGUFFile, GGUFTensor, Q, read_gguf
 from verispec.models.gguf_linear import GGUFLinear, check_type
 from verispec.models.hf import HFCausalLM
@@ -135,6 +139,7 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
         config = _load_config(folder if cached else None, path)
         model = _empty_model(config, path)
         _fill(model, file, config)
+        _fuse(model)
         tokenizer = _load_tokenizer(folder if cached else None, path)
     if not cached:
         _remember(folder, config, tokenizer, path)
@@ -145,6 +150,29 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
     lm.quantization = "gguf"
     lm.load_seconds = time.perf_counter() - start
     return lm
+
+
+def _fuse(model: nn.Module) -> None:
+    """q/k/v and gate/up of one block type as one product each (:func:`fuse_projections`), one
+    attention or MLP block at a time, each block's replaced members' pages given back at once, so
+    the load peaks at one block's copy above the packed model."""
+    blocks = [m for m in model.modules() if any(hasattr(m, names[0]) for names in GROUPS)]
+    for block in blocks:
+        if fuse_projections(block):
+            _return_freed_pages()
+    _return_freed_pages()  # the packing's temporaries
+
+
+def _return_freed_pages() -> None:
+    """Give the pages freed while packing and fusing back to the system (glibc's ``malloc_trim``).
+
+    glibc keeps freed heap pages mapped, and the packing's temporaries and the members replaced by
+    fused layers leave many: the 8B-shaped Q4_K_M file stayed at 8.1 GB of RSS after loading with
+    them, 5.1 GB after the trim (the file is 4.9 GB). Elsewhere (no glibc) nothing is done."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):  # musl and other C libraries: no malloc_trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _meta_folder(path: Path) -> Path:
