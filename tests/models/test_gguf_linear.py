@@ -184,8 +184,8 @@ import sys
 from verispec.models import native
 native.cpu_isa = lambda: {isa!r}  # build and load the kernel as on a CPU with only this
 import pytest
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", "products_match or bit_identically or real_file",
-                      {path!r}]))
+checks = "products_match or bit_identically or real_file or overflow"
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", checks, {path!r}]))
 """
 
 

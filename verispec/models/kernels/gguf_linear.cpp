@@ -27,12 +27,14 @@
 //   y[m, n] = sum_u sum_{g in u} (xs_u * S_g) * (sum_i c_i * a_i) + (xs_u * O_g) * (sum_i a_i) + bias[n].
 // Each 32-bit lane of a product vector holds one channel (16 channels x 4 inputs per VNNI product,
 // against the row's 4 activation bytes broadcast); unpacking the codes is done once per tile for every
-// row. Legacy formats apply S_g and O_g in float per group (so does the AVX2 build for every format).
-// The AVX-512 build keeps a "k" format's whole super-blocks in integers, as llama.cpp's q*_K x q8_K
-// dot products do: per row and group the G/4 products, one multiply by the int8 scale sc_g and one
-// add; the offsets' sum_g mn_g * sum_g(a) as int16 pair products; one conversion to float per
-// super-block. On a Zen 4 that took a 32-row Q4_K product from 1.69 to 1.41 ms
-// and a 32-row Q6_K LM head from 34.9 to 31.9 ms, and top-1 agreement with llama.cpp from 98.6% to 98.9%.
+// row. Legacy formats apply S_g and O_g in float per group. "k" formats keep whole super-blocks in
+// integers, as llama.cpp's q*_K x q8_K dot products do: per row and group the products, the int8
+// group scale sc_g multiplied in (AVX-512: one multiply and one add; AVX2: in the madd that sums
+// the pairs), the offsets' sum_g mn_g * sum_g(a) as int16 pair products, and one conversion to float
+// per super-block. On a Zen 4 that took a 32-row Q4_K product from 1.69 to 1.41 ms and a 32-row Q6_K
+// LM head from 34.9 to 31.9 ms, and top-1 agreement with llama.cpp from 98.6% to 98.9%; the AVX2
+// build there (compiled as for an AVX2-only CPU): 8-row Q4_K 0.89-0.98 -> 0.75 ms, the whole 1.5B at
+// 16 rows 268 -> 242 ms, unchanged within noise at 1-8 rows.
 //
 // Exact batch invariance: each output element is computed by one thread with the same sequence of
 // operations whatever the number of rows in the call and wherever its row sits (threads split the
@@ -421,19 +423,16 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
 }
 
 #elif VERISPEC_GGUF_AVX2
-// The same tile with AVX2 (no VNNI): each half of 8 channels at a time, u8 x s8 products summed in
+// A legacy format's tile with AVX2 (no VNNI): each half of 8 channels at a time, u8 x s8 products summed in
 // pairs into int16 (maddubs) and then into int32 (madd), as llama.cpp's AVX2 dot products do. Codes
 // up to 6 bits keep a pair's sum below 2^15 (2 x 63 x 127). Q8_0's byte codes would not, so they run
 // signed: q = c - 128 against the activations with q's signs (|q| x sign(a, q), llama.cpp's trick),
 // which is exact and leaves no offset term (O = -128 S).
-template <int64_t G, int64_t P, bool BYTES, bool KQ, int64_t ROWS>
+template <int64_t G, int64_t P, bool BYTES, int64_t ROWS>
 void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
   constexpr int64_t kVecs = G / 4;
-  constexpr int64_t kUnit = KQ ? 256 : G;
-  constexpr int64_t kPerUnit = kUnit / G;
   constexpr int64_t kCodeBytes = BYTES ? kTile * G : kTile * G / 2;
   constexpr int64_t kHighBytes = P ? 64 : 0;
-  constexpr int64_t kIScales = (KQ && P == 2) ? 1 : 2;
   const int64_t groups = w.groups, K = w.K;
   const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
   const uint8_t* highs = w.planes + tile * groups * kHighBytes;
@@ -446,29 +445,11 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
     if (n0 >= w.N) break;
     __m256 acc[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    __m256 D = _mm256_setzero_ps(), Mv = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t u = g / kPerUnit;
       const uint8_t* cg = codes + g * kCodeBytes + 32 * h;
-      __m256 S, O;
-      if constexpr (KQ) {
-        if (g % kPerUnit == 0) {
-          const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile + 8 * h;
-          D = _mm256_loadu_ps(dm);
-          Mv = _mm256_loadu_ps(dm + kTile);
-        }
-        const int8_t* sm = w.kint + ((tile * groups + g) * kIScales) * kTile + 8 * h;
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
-        const __m256 mn = kIScales == 1 ? sc
-                                        : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + kTile))));
-        S = _mm256_mul_ps(D, sc);
-        O = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(Mv, mn));
-      } else {
-        const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile + 8 * h;
-        S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so)));
-        O = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + kTile)));
-      }
+      const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile + 8 * h;
+      const __m256 S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so)));
+      const __m256 O = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + kTile)));
       __m256i high = _mm256_setzero_si256();
       if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + g * 64 + 32 * h));
       __m256i d[ROWS];
@@ -507,9 +488,91 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
       }
       for (int64_t r = 0; r < ROWS; ++r) {
         const int64_t m = m0 + r;
-        const __m256 sx = _mm256_mul_ps(S, _mm256_set1_ps(a.xs[m * w.units + u]));
+        const __m256 sx = _mm256_mul_ps(S, _mm256_set1_ps(a.xs[m * w.units + g]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), sx, acc[r]);
         if constexpr (!BYTES) acc[r] = _mm256_fmadd_ps(O, _mm256_set1_ps(a.axs[m * groups + g]), acc[r]);
+      }
+    }
+    const int64_t valid = std::min<int64_t>(8, w.N - n0);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(valid)), lanes);
+    const __m256 b = bias != nullptr ? _mm256_maskload_ps(bias + n0, keep) : _mm256_setzero_ps();
+    for (int64_t r = 0; r < ROWS; ++r) _mm256_maskstore_ps(y + (m0 + r) * w.N + n0, keep, _mm256_add_ps(acc[r], b));
+  }
+}
+
+// "k" formats with AVX2, in integers per super-block as the AVX-512 build: maddubs sums the code x
+// activation pairs into int16 (codes up to 6 bits keep them below 2^15), and madd_epi16 against the
+// group's scale (in both halves of each channel's lane) multiplies and sums them into int32 in one
+// step, where the float path multiplied by ones. The offsets' sum_g mn_g * sum_g(a) takes one
+// madd_epi16 per two groups; one conversion to float per super-block and row.
+template <int64_t G, int64_t P, int64_t ROWS>
+void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
+  constexpr int64_t kVecs = G / 4;
+  constexpr int64_t kPerUnit = 256 / G;
+  constexpr int64_t kCodeBytes = kTile * G / 2;
+  constexpr int64_t kHighBytes = P ? 64 : 0;
+  constexpr int64_t kIScales = P == 2 ? 1 : 2;  // Q6_K: mn = sc
+  const int64_t groups = w.groups, K = w.K;
+  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
+  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
+  const int8_t* iscales = w.kint + tile * groups * kIScales * kTile;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
+  const int8_t* arow[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t n0 = tile * kTile + 8 * h;
+    if (n0 >= w.N) break;
+    __m256 acc[ROWS];
+    for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < w.units; ++u) {
+      __m256i isum[ROWS], osum[ROWS];
+      for (int64_t r = 0; r < ROWS; ++r) isum[r] = osum[r] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < kPerUnit; ++j) {
+        const int64_t g = u * kPerUnit + j;
+        const uint8_t* cg = codes + g * kCodeBytes + 32 * h;
+        const __m256i sc32 = _mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(iscales + g * kIScales * kTile + 8 * h)));
+        const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
+                                             _mm256_slli_epi32(sc32, 16));  // sc in both int16 halves
+        __m256i high = _mm256_setzero_si256();
+        if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + g * 64 + 32 * h));
+        for (int64_t v = 0; v < kVecs; ++v) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
+          __m256i wv = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+          if constexpr (P > 0) {
+            const int64_t at = P * v;
+            const __m256i moved = at <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi64_si128(4 - at))
+                                          : _mm256_srl_epi16(high, _mm_cvtsi64_si128(at - 4));
+            wv = _mm256_or_si256(wv, _mm256_and_si256(moved, high_mask));
+          }
+          for (int64_t r = 0; r < ROWS; ++r) {
+            int32_t four;
+            std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
+            const __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(four));
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, sc16));
+          }
+        }
+        if (j % 2 == 1) {  // the offset term of groups g - 1 and g: lanes (mn_{g-1}, mn_g) per channel
+          const int8_t* mn = iscales + (g - 1) * kIScales * kTile + (kIScales - 1) * kTile + 8 * h;
+          const __m128i m0v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+          const __m128i m1v =
+              _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + kIScales * kTile)));
+          const __m256i mnp = _mm256_set_m128i(_mm_unpackhi_epi16(m0v, m1v), _mm_unpacklo_epi16(m0v, m1v));
+          for (int64_t r = 0; r < ROWS; ++r) {
+            int32_t two;
+            std::memcpy(&two, a.sums.data() + (m0 + r) * groups + g - 1, 4);
+            osum[r] = _mm256_add_epi32(osum[r], _mm256_madd_epi16(mnp, _mm256_set1_epi32(two)));
+          }
+        }
+      }
+      const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile + 8 * h;
+      const __m256 D = _mm256_loadu_ps(dm), Mv = _mm256_loadu_ps(dm + kTile);
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const __m256 xs = _mm256_set1_ps(a.xs[(m0 + r) * w.units + u]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(D, xs), acc[r]);
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(osum[r]), _mm256_mul_ps(Mv, xs), acc[r]);
       }
     }
     const int64_t valid = std::min<int64_t>(8, w.N - n0);
@@ -534,7 +597,10 @@ void dispatch_rows(int64_t rows, const Weights& w, const Acts& a, const float* b
   else
     tile_avx512<G, P, BYTES, ROWS>(w, a, bias, y, tile, m0);
 #else
-  tile_avx2<G, P, BYTES, KQ, ROWS>(w, a, bias, y, tile, m0);
+  if constexpr (KQ)
+    tile_avx2_k<G, P, ROWS>(w, a, bias, y, tile, m0);
+  else
+    tile_avx2<G, P, BYTES, ROWS>(w, a, bias, y, tile, m0);
 #endif
 }
 
