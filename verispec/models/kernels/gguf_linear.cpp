@@ -214,6 +214,23 @@ struct Weights {
   int64_t K, N, groups, units;
 };
 
+// A "k" format's layout constants and one tile's arrays (both vector builds' integer tiles).
+template <int64_t G, int64_t P>
+struct KLayout {
+  static constexpr int64_t kVecs = G / 4;  // 4-input code vectors per group
+  static constexpr int64_t kPerUnit = 256 / G;
+  static constexpr int64_t kCodeBytes = kTile * G / 2;
+  static constexpr int64_t kHighBytes = P ? 64 : 0;
+  static constexpr int64_t kIScales = P == 2 ? 1 : 2;  // Q6_K: mn = sc
+  const uint8_t* codes;
+  const uint8_t* highs;
+  const int8_t* iscales;
+  KLayout(const Weights& w, int64_t tile)
+      : codes(w.codes + tile * w.groups * kCodeBytes),
+        highs(w.planes + tile * w.groups * kHighBytes),
+        iscales(w.kint + tile * w.groups * kIScales * kTile) {}
+};
+
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
 // Scalar reference of the per-tile products (any CPU): the same sums in the same order per row as
@@ -357,15 +374,8 @@ void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, i
 // All integer sums are exact (|sum_g sc_g dot_g| < 2^31 for every "k" type's code and scale range).
 template <int64_t G, int64_t P, int64_t ROWS>
 void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
-  constexpr int64_t kVecs = G / 4;
-  constexpr int64_t kPerUnit = 256 / G;
-  constexpr int64_t kCodeBytes = kTile * G / 2;
-  constexpr int64_t kHighBytes = P ? 64 : 0;
-  constexpr int64_t kIScales = P == 2 ? 1 : 2;  // Q6_K: mn = sc
-  const int64_t groups = w.groups, K = w.K;
-  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
-  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
-  const int8_t* iscales = w.kint + tile * groups * kIScales * kTile;
+  using L = KLayout<G, P>;
+  const L at(w, tile);
   // vpermw index: int16 lane 2c <- element c (group 2p's mn), 2c + 1 <- element 16 + c (group 2p + 1's).
   alignas(64) static constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -373,22 +383,22 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* arow[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
+  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * w.K;
   for (int64_t u = 0; u < w.units; ++u) {
     __m512i isum[ROWS], osum[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) isum[r] = osum[r] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < kPerUnit; ++j) {
-      const int64_t g = u * kPerUnit + j;
-      const uint8_t* cg = codes + g * kCodeBytes;
-      for (int64_t line = 0; line < kCodeBytes; line += 64)
+    for (int64_t j = 0; j < L::kPerUnit; ++j) {
+      const int64_t g = u * L::kPerUnit + j;
+      const uint8_t* cg = at.codes + g * L::kCodeBytes;
+      for (int64_t line = 0; line < L::kCodeBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetch + line), _MM_HINT_T0);
-      if constexpr (P > 0) _mm_prefetch(reinterpret_cast<const char*>(highs + g * 64 + kPrefetch), _MM_HINT_T0);
-      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(iscales + g * kIScales * kTile)));
-      __m512i wv[kVecs];
-      unpack_group<G, P>(cg, highs + g * kHighBytes, wv);
+      if constexpr (P > 0) _mm_prefetch(reinterpret_cast<const char*>(at.highs + g * 64 + kPrefetch), _MM_HINT_T0);
+      const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.iscales + g * L::kIScales * kTile)));
+      __m512i wv[L::kVecs];
+      unpack_group<G, P>(cg, at.highs + g * L::kHighBytes, wv);
       __m512i d[ROWS];
       for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm512_setzero_si512();
-      for (int64_t v = 0; v < kVecs; ++v)
+      for (int64_t v = 0; v < L::kVecs; ++v)
         for (int64_t r = 0; r < ROWS; ++r) {
           int32_t four;
           std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
@@ -396,13 +406,13 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
         }
       for (int64_t r = 0; r < ROWS; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(d[r], sc));
       if (j % 2 == 1) {  // the offset term of groups g - 1 and g
-        const int8_t* mn = iscales + (g - 1) * kIScales * kTile + (kIScales - 1) * kTile;
-        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + kIScales * kTile)),
+        const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile;
+        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + L::kIScales * kTile)),
                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
         const __m512i mnp = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(both));
         for (int64_t r = 0; r < ROWS; ++r) {
           int32_t two;
-          std::memcpy(&two, a.sums.data() + (m0 + r) * groups + g - 1, 4);
+          std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
           osum[r] = _mm512_dpwssd_epi32(osum[r], mnp, _mm512_set1_epi32(two));
         }
       }
@@ -508,19 +518,12 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
 // madd_epi16 per two groups; one conversion to float per super-block and row.
 template <int64_t G, int64_t P, int64_t ROWS>
 void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
-  constexpr int64_t kVecs = G / 4;
-  constexpr int64_t kPerUnit = 256 / G;
-  constexpr int64_t kCodeBytes = kTile * G / 2;
-  constexpr int64_t kHighBytes = P ? 64 : 0;
-  constexpr int64_t kIScales = P == 2 ? 1 : 2;  // Q6_K: mn = sc
-  const int64_t groups = w.groups, K = w.K;
-  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
-  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
-  const int8_t* iscales = w.kint + tile * groups * kIScales * kTile;
+  using L = KLayout<G, P>;
+  const L at(w, tile);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
   const int8_t* arow[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
+  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * w.K;
   for (int64_t h = 0; h < 2; ++h) {
     const int64_t n0 = tile * kTile + 8 * h;
     if (n0 >= w.N) break;
@@ -529,16 +532,16 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
     for (int64_t u = 0; u < w.units; ++u) {
       __m256i isum[ROWS], osum[ROWS];
       for (int64_t r = 0; r < ROWS; ++r) isum[r] = osum[r] = _mm256_setzero_si256();
-      for (int64_t j = 0; j < kPerUnit; ++j) {
-        const int64_t g = u * kPerUnit + j;
-        const uint8_t* cg = codes + g * kCodeBytes + 32 * h;
+      for (int64_t j = 0; j < L::kPerUnit; ++j) {
+        const int64_t g = u * L::kPerUnit + j;
+        const uint8_t* cg = at.codes + g * L::kCodeBytes + 32 * h;
         const __m256i sc32 = _mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(iscales + g * kIScales * kTile + 8 * h)));
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.iscales + g * L::kIScales * kTile + 8 * h)));
         const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
                                              _mm256_slli_epi32(sc32, 16));  // sc in both int16 halves
         __m256i high = _mm256_setzero_si256();
-        if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + g * 64 + 32 * h));
-        for (int64_t v = 0; v < kVecs; ++v) {
+        if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.highs + g * 64 + 32 * h));
+        for (int64_t v = 0; v < L::kVecs; ++v) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
           __m256i wv = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
           if constexpr (P > 0) {
@@ -555,14 +558,14 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
           }
         }
         if (j % 2 == 1) {  // the offset term of groups g - 1 and g: lanes (mn_{g-1}, mn_g) per channel
-          const int8_t* mn = iscales + (g - 1) * kIScales * kTile + (kIScales - 1) * kTile + 8 * h;
+          const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile + 8 * h;
           const __m128i m0v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
           const __m128i m1v =
-              _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + kIScales * kTile)));
+              _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + L::kIScales * kTile)));
           const __m256i mnp = _mm256_set_m128i(_mm_unpackhi_epi16(m0v, m1v), _mm_unpacklo_epi16(m0v, m1v));
           for (int64_t r = 0; r < ROWS; ++r) {
             int32_t two;
-            std::memcpy(&two, a.sums.data() + (m0 + r) * groups + g - 1, 4);
+            std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
             osum[r] = _mm256_add_epi32(osum[r], _mm256_madd_epi16(mnp, _mm256_set1_epi32(two)));
           }
         }
