@@ -167,6 +167,19 @@ def test_embedding_rows_are_ggufs_table(smollm2):
     assert torch.equal(embedding.dequantized(), table)
 
 
+@needs_smollm2
+def test_cached_embedding_rows_stay_ggufs_rows(smollm2, monkeypatch):
+    """Lookups of a few rows go through a small least-recently-used cache: rows evicted and looked
+    up again, and repeated ids in one lookup, still come out as gguf's de-quantized rows."""
+    embedding = smollm2.model.get_input_embeddings()
+    monkeypatch.setattr(embedding, "_capacity", 8)
+    monkeypatch.setattr(embedding, "_row_cache", type(embedding._row_cache)())
+    lookups = [torch.tensor([[i, (7 * i) % 20]]) for i in range(20)] + [torch.tensor([[3, 3]])]
+    for ids in lookups:
+        assert torch.equal(embedding(ids), embedding._rows(ids.view(-1)).view(1, 2, -1))
+    assert 0 < len(embedding._row_cache) <= 8
+
+
 # --- the same model as the converted one ---------------------------------------------------------
 
 
