@@ -10,7 +10,7 @@ type). :func:`pack` lays codes and scales out for verispec's kernel (``kernels/g
 compiled on first use like the int4 kernel.
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (groups of 32 with float16 scale and offset) and Q4_K, Q5_K,
-Q6_K (float32 super-block scales times int8 group scales). Any other type is refused by name,
+Q6_K (float16 super-block scales times int8 group scales). Any other type is refused by name,
 never re-rounded into one of these.
 """
 
@@ -197,10 +197,11 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
         v = nn.functional.pad(torch.from_numpy(np.ascontiguousarray(values)), (0, 0, 0, pad))
         return v.view(tiles, TILE, -1).permute(0, 2, 1).to(dtype)
 
-    if kq:
-        fscales = torch.stack(
-            [per_tile(factors["D"], torch.float32), per_tile(factors["M"], torch.float32)], 2
-        )
+    if kq:  # D and M: the file's float16 values (Q6_K's M = 32 d), kept in float16
+        exact = torch.stack([per_tile(factors["D"], torch.float32), per_tile(factors["M"], torch.float32)], 2)
+        fscales = exact.half()
+        if not torch.equal(fscales.float(), exact):
+            raise VerispecError(f"a {qtype.name} tensor's super-block scales do not fit float16 exactly")
         ints = [factors["sc"]] if qtype == Q.Q6_K else [factors["sc"], factors["mn"]]  # Q6_K: mn = sc
         iscales = torch.stack([per_tile(v, torch.int8) for v in ints], 2)
     else:
@@ -238,7 +239,7 @@ def unpack(qtype: Q, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> 
             c = c | (high << 4)
     c = c.float()
     if kq:
-        f = parts["fscales"].view(tiles, k // 256, 2, TILE).permute(0, 3, 1, 2)  # [t, ch, u, 2]
+        f = parts["fscales"].view(tiles, k // 256, 2, TILE).permute(0, 3, 1, 2).float()  # [t, ch, u, 2]
         i = parts["iscales"].view(tiles, k // group, -1, TILE).permute(0, 3, 1, 2).float()
         per = 256 // group
         scale = f[..., 0].repeat_interleave(per, dim=2) * i[..., 0]

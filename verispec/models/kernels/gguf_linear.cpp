@@ -9,9 +9,10 @@
 // Weight format (gguf_linear.py packs it from the blocks, exactly): output channels in tiles of 16;
 // inputs in groups of G (32, or 16 for Q6_K). Every weight is w = S_g * c + O_g with an unsigned code c
 // and, per channel and group, a scale S_g and offset O_g:
-//   - "k" formats (Q4_K, Q5_K, Q6_K): S_g = D * sc_g and O_g = -(M * mn_g), with D, M float32 per
-//     channel and super-block of 256 inputs and sc_g, mn_g int8 per channel and group (the products
-//     are exact in float32: D and M are float16 values, sc and mn at most 8 bits);
+//   - "k" formats (Q4_K, Q5_K, Q6_K): S_g = D * sc_g and O_g = -(M * mn_g), with D, M float16 per
+//     channel and super-block of 256 inputs (the file's own values; Q6_K's M = 32 D) and sc_g, mn_g
+//     int8 per channel and group (the products are exact in float32: sc and mn have at most 8 bits;
+//     float16 rather than float32 D and M cut the 1.5B's bytes a token from 1024 to 1000 MB);
 //   - "legacy" formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): S_g and O_g float16 per channel and group.
 // Codes: 4 low bits as nibbles, per tile and group G/8 vectors of 64 bytes whose byte 4c + j holds
 // channel c's input 8t + j (low nibble) and 8t + 4 + j (high); then, for 5- and 6-bit codes, one
@@ -208,7 +209,7 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, const Spec& s) {
 struct Weights {
   const uint8_t* codes;
   const uint8_t* planes;
-  const float* kscale;     // "k": [tiles, units, 2, 16] (D, M)
+  const uint16_t* kscale;  // "k": [tiles, units, 2, 16] (D, M) float16
   const int8_t* kint;      // "k": [tiles, groups, 2 or 1, 16] (sc, mn or sc alone)
   const uint16_t* lscale;  // legacy: [tiles, groups, 2, 16] (S, O) float16
   int64_t K, N, groups, units;
@@ -250,10 +251,10 @@ void tile_scalar(const Weights& w, const Spec& s, const Acts& a, const float* bi
         const int64_t u = g / per_unit;
         float S, O;
         if (s.kq) {
-          const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
+          const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
           const int8_t* sm = w.kint + ((tile * w.groups + g) * s.iscales) * kTile;
-          S = dm[c] * static_cast<float>(sm[c]);
-          O = -(dm[kTile + c] * static_cast<float>(sm[(s.iscales - 1) * kTile + c]));
+          S = half_to_float(dm[c]) * static_cast<float>(sm[c]);
+          O = -(half_to_float(dm[kTile + c]) * static_cast<float>(sm[(s.iscales - 1) * kTile + c]));
         } else {
           const uint16_t* so = w.lscale + ((tile * w.groups + g) * 2) * kTile;
           S = half_to_float(so[c]);
@@ -417,8 +418,9 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
         }
       }
     }
-    const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
-    const __m512 D = _mm512_loadu_ps(dm), Mv = _mm512_loadu_ps(dm + kTile);
+    const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
+    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+    const __m512 Mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + kTile)));
     for (int64_t r = 0; r < ROWS; ++r) {
       const __m512 xs = _mm512_set1_ps(a.xs[(m0 + r) * w.units + u]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(D, xs), acc[r]);
@@ -570,8 +572,9 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
           }
         }
       }
-      const float* dm = w.kscale + ((tile * w.units + u) * 2) * kTile + 8 * h;
-      const __m256 D = _mm256_loadu_ps(dm), Mv = _mm256_loadu_ps(dm + kTile);
+      const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile + 8 * h;
+      const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
+      const __m256 Mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
       for (int64_t r = 0; r < ROWS; ++r) {
         const __m256 xs = _mm256_set1_ps(a.xs[(m0 + r) * w.units + u]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(D, xs), acc[r]);
@@ -633,7 +636,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(planes.scalar_type() == at::kByte && planes.numel() == tiles * groups * plane_bytes(s),
               "gguf_linear: bit planes do not match");
   if (s.kq) {
-    TORCH_CHECK(fscales.scalar_type() == at::kFloat && fscales.numel() == tiles * units * 2 * kTile,
+    TORCH_CHECK(fscales.scalar_type() == at::kHalf && fscales.numel() == tiles * units * 2 * kTile,
                 "gguf_linear: bad super-block scales");
     TORCH_CHECK(iscales.scalar_type() == at::kChar && iscales.numel() == tiles * groups * s.iscales * kTile,
                 "gguf_linear: bad group scales");
@@ -659,7 +662,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const Acts a = quantize_rows(xc.data_ptr<float>(), M, K, s);
   Weights w{cc.data_ptr<uint8_t>(),
             pc.numel() ? pc.data_ptr<uint8_t>() : nullptr,
-            s.kq ? fc.data_ptr<float>() : nullptr,
+            s.kq ? reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()) : nullptr,
             s.kq ? ic.data_ptr<int8_t>() : nullptr,
             s.kq ? nullptr : reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()),
             K, N, groups, units};
