@@ -23,6 +23,8 @@ product afresh, so correctness never depends on the call order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -77,9 +79,10 @@ class FusedPart(nn.Module):
         return self.fused.part(x, self.index)
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_projections(model: nn.Module, after_each: Callable[[], None] | None = None) -> int:
     """Fuse every group of :data:`GROUPS` whose members are quantized Linears of one kind with the
-    same input size; returns how many groups were fused."""
+    same input size; returns how many groups were fused. ``after_each`` runs once a parent's groups
+    are fused (its replaced members are garbage by then: a loader can give their pages back)."""
     fused = 0
     # The parents only: a list of every module would keep each replaced member (and its weights)
     # alive until the end, beside its fused copy.
@@ -96,6 +99,8 @@ def fuse_projections(model: nn.Module) -> int:
             for i, name in enumerate(names):
                 setattr(parent, name, FusedPart(group, i, linear.in_features, sizes[i]))
             fused += 1
+        if after_each is not None:
+            after_each()
     return fused
 
 

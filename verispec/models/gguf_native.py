@@ -58,7 +58,7 @@ from torch import nn
 
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
-from verispec.models.fused import GROUPS, fuse_projections
+from verispec.models.fused import fuse_projections
 from verispec.models.gguf_file import GGUFFile, GGUFTensor, Q, read_gguf
 from verispec.models.gguf_linear import GGUFLinear, check_type
 from verispec.models.hf import HFCausalLM
@@ -167,7 +167,10 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
         config = _load_config(folder if cached else None, path)
         model = _empty_model(config, path)
         _fill(model, file, config)
-        _fuse(model)
+        # q/k/v and gate/up of one block type as one product each; each block's replaced members'
+        # pages go back at once, so the load peaks at one block's copy above the packed model
+        fuse_projections(model, after_each=_return_freed_pages)
+        _return_freed_pages()  # the packing's temporaries
         tokenizer = _load_tokenizer(folder if cached else None, path)
     if not cached:
         _remember(folder, config, tokenizer, path)
@@ -178,17 +181,6 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
     lm.quantization = "gguf"
     lm.load_seconds = time.perf_counter() - start
     return lm
-
-
-def _fuse(model: nn.Module) -> None:
-    """q/k/v and gate/up of one block type as one product each (:func:`fuse_projections`), one
-    attention or MLP block at a time, each block's replaced members' pages given back at once, so
-    the load peaks at one block's copy above the packed model."""
-    blocks = [m for m in model.modules() if any(hasattr(m, names[0]) for names in GROUPS)]
-    for block in blocks:
-        if fuse_projections(block):
-            _return_freed_pages()
-    _return_freed_pages()  # the packing's temporaries
 
 
 def _return_freed_pages() -> None:
