@@ -97,16 +97,20 @@ inline int64_t code_bytes(const Spec& s) { return s.bytes ? kTile * s.group : kT
 inline int64_t plane_bytes(const Spec& s) { return s.planes ? 64 : 0; }
 
 // Quantized activations: q [M, K] int8, per row and unit the scale xs, per row and group the sum of
-// the quantized values times that unit's scale (the offset term's factor).
+// the codes (|sum| <= 32 x 127; the "k" tiles take it as it is, the float tiles times xs).
 struct Acts {
   std::vector<int8_t> q;
-  std::vector<float> xs, axs;
-  std::vector<int16_t> sums;  // per row and group, the sum of the codes (|sum| <= 32 x 127)
+  std::vector<float> xs;
+  std::vector<int16_t> sums;
+  // The offset term's factor of row m's group g in unit u: the group's code sum times xs.
+  float scaled_sum(int64_t m, int64_t groups, int64_t g, int64_t units, int64_t u) const {
+    return static_cast<float>(sums[m * groups + g]) * xs[m * units + u];
+  }
 };
 
 // One unit's codes: a = round(x * inv) (ties to even) within [-127, 127], and per group their sum.
 // The vector builds compute the same IEEE products and roundings as the scalar loop, 16 or 8 at a time.
-void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int32_t* sums) {
+void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int16_t* sums) {
   const int64_t per_unit = s.unit / s.group;
 #if VERISPEC_GGUF_AVX512
   const __m512 vinv = _mm512_set1_ps(inv);
@@ -119,7 +123,7 @@ void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int32_t
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
       sum = _mm512_add_epi32(sum, c);
     }
-    sums[g] = _mm512_reduce_add_epi32(sum);
+    sums[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(sum));
   }
 #elif VERISPEC_GGUF_AVX2
   const __m256 vinv = _mm256_set1_ps(inv);
@@ -136,7 +140,7 @@ void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int32_t
     }
     alignas(32) int32_t lanes[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
-    sums[g] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    sums[g] = static_cast<int16_t>(lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7]);
   }
 #else
   for (int64_t g = 0; g < per_unit; ++g) {
@@ -147,7 +151,7 @@ void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int32_t
       q[i] = static_cast<int8_t>(v);
       sum += q[i];
     }
-    sums[g] = sum;
+    sums[g] = static_cast<int16_t>(sum);
   }
 #endif
 }
@@ -173,20 +177,15 @@ float max_abs(const float* x, int64_t n) {
 #endif
 }
 
-void quantize_row(const float* x, int64_t K, const Spec& s, int8_t* q, float* xs, float* axs, int16_t* gsums) {
+void quantize_row(const float* x, int64_t K, const Spec& s, int8_t* q, float* xs, int16_t* gsums) {
   const int64_t units = K / s.unit, per_unit = s.unit / s.group;
-  int32_t sums[16];
   for (int64_t u = 0; u < units; ++u) {
     const float* xu = x + u * s.unit;
     const float amax = max_abs(xu, s.unit);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     const float scale = amax / 127.f;
     xs[u] = scale;
-    quantize_unit(xu, s, inv, q + u * s.unit, sums);
-    for (int64_t g = 0; g < per_unit; ++g) {
-      axs[u * per_unit + g] = static_cast<float>(sums[g]) * scale;
-      gsums[u * per_unit + g] = static_cast<int16_t>(sums[g]);
-    }
+    quantize_unit(xu, s, inv, q + u * s.unit, gsums + u * per_unit);
   }
 }
 
@@ -195,12 +194,10 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, const Spec& s) {
   const int64_t units = K / s.unit, groups = K / s.group;
   a.q.resize(M * K);
   a.xs.resize(M * units);
-  a.axs.resize(M * groups);
   a.sums.resize(M * groups);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, s, a.q.data() + m * K, a.xs.data() + m * units, a.axs.data() + m * groups,
-                   a.sums.data() + m * groups);
+      quantize_row(x + m * K, K, s, a.q.data() + m * K, a.xs.data() + m * units, a.sums.data() + m * groups);
   });
   return a;
 }
@@ -276,7 +273,7 @@ void tile_scalar(const Weights& w, const Spec& s, const Acts& a, const float* bi
           dot += code * ag[i];
         }
         const float xs = a.xs[m * w.units + u];
-        acc += static_cast<float>(dot) * (xs * S) + O * a.axs[m * w.groups + g];
+        acc += static_cast<float>(dot) * (xs * S) + O * a.scaled_sum(m, w.groups, g, w.units, u);
       }
       y[m * w.N + n] = acc + (bias != nullptr ? bias[n] : 0.f);
     }
@@ -356,7 +353,7 @@ void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, i
       const int64_t m = m0 + r;
       const __m512 sx = _mm512_mul_ps(S, _mm512_set1_ps(a.xs[m * w.units + g]));  // legacy: unit = group
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r]), sx, acc[r]);
-      acc[r] = _mm512_fmadd_ps(O, _mm512_set1_ps(a.axs[m * groups + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(O, _mm512_set1_ps(a.scaled_sum(m, groups, g, w.units, g)), acc[r]);
     }
   }
   const int64_t n0 = tile * kTile;
@@ -502,7 +499,7 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
         const int64_t m = m0 + r;
         const __m256 sx = _mm256_mul_ps(S, _mm256_set1_ps(a.xs[m * w.units + g]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), sx, acc[r]);
-        if constexpr (!BYTES) acc[r] = _mm256_fmadd_ps(O, _mm256_set1_ps(a.axs[m * groups + g]), acc[r]);
+        if constexpr (!BYTES) acc[r] = _mm256_fmadd_ps(O, _mm256_set1_ps(a.scaled_sum(m, groups, g, w.units, g)), acc[r]);
       }
     }
     const int64_t valid = std::min<int64_t>(8, w.N - n0);
