@@ -145,7 +145,9 @@ def test_the_choices_of_one_request_are_queued_all_or_none(tiny_target):
         engine.add_all([choices[2], choices[2]])
 
 
-def test_a_failing_batch_ends_its_requests_with_an_error_and_the_engine_goes_on(tiny_target, monkeypatch):
+def test_a_failing_batch_ends_its_requests_with_an_error_and_the_engine_goes_on(
+    tiny_target, monkeypatch, caplog
+):
     engine = engine_for(tiny_target, None, None)
     engine.add(engine.make_request(PROMPTS[0], max_new_tokens=4))
     real = tiny_target.forward_batch
@@ -154,8 +156,10 @@ def test_a_failing_batch_ends_its_requests_with_an_error_and_the_engine_goes_on(
         raise RuntimeError("simulated kernel failure")
 
     monkeypatch.setattr(tiny_target, "forward_batch", broken)
-    outs = engine.step()
+    with caplog.at_level("ERROR", logger="verispec.engine.step"):
+        outs = engine.step()
     assert outs and all(o.finished and "simulated kernel failure" in o.error for o in outs)
+    assert any(r.exc_info for r in caplog.records), "a bug's traceback is logged for the operator"
     assert not engine.has_work()
     monkeypatch.setattr(tiny_target, "forward_batch", real)
     assert len(engine.generate(PROMPTS[0], max_new_tokens=4).token_ids) == 4

@@ -224,12 +224,22 @@ def measure_prefill(model: CausalLM, repeats: int = 3) -> Curve:
         times = []
         for i in range(repeats + 1):  # the first is a warm-up
             cache = model.new_cache()
+            synchronize(model)
             started = time.perf_counter()
             model.forward_batch([cache], [tokens], logits_to_keep=[0])
+            synchronize(model)
             if i:
                 times.append(time.perf_counter() - started)
         seconds.append(min(times))
     return Curve(tuple(counts), tuple(seconds))
+
+
+def synchronize(model: CausalLM) -> None:
+    """Wait for the model's device: a GPU runs asynchronously, and a timer must see its work, not
+    only the launches."""
+    device = torch.device(getattr(model, "device", "cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fitting(model: CausalLM, context: int, width: int) -> int:
@@ -259,8 +269,10 @@ class _RowsStep:
         self.tokens = [torch.randint(0, model.vocab_size, (w,), generator=generator).tolist() for w in widths]
 
     def seconds(self) -> float:
+        synchronize(self.model)
         started = time.perf_counter()
         self.model.forward_batch(self.caches, self.tokens, logits_to_keep=self.widths)
+        synchronize(self.model)
         elapsed = time.perf_counter() - started
         for cache, w in zip(self.caches, self.widths, strict=True):
             cache.trim(w)

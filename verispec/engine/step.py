@@ -18,6 +18,7 @@ so greedy output is the same alone or in a batch, speculating or not.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from verispec.costs import synchronize
 from verispec.engine.commit import commit_tokens, token_logprobs
 from verispec.engine.drafting import Drafting
 from verispec.engine.hooks import HiddenTap, StepCosts
@@ -36,6 +38,8 @@ from verispec.proposers.base import Proposer
 from verispec.types import Draft, VerifyResult
 from verispec.verify import Verifier
 from verispec.verify.tree import tree_attention_inputs
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, repr=False)
@@ -66,9 +70,11 @@ class Step:
             _ = self.costs.policy  # built (costs measured or loaded) outside the step's timings
         started = time.perf_counter()
         drafts = self.drafting.propose(seqs)
+        synchronize(self.target)  # on a GPU, the times below are of the work, not of its launches
         proposed = time.perf_counter()
         rows = VerifyRows.of(seqs, drafts)
         scored = self._score(seqs, rows, drafts)
+        synchronize(self.target)
         forwarded = time.perf_counter()
         outputs, results = [], []
         for b, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
@@ -110,6 +116,8 @@ class Step:
         try:
             return work(seqs)
         except Exception as exc:
+            if not isinstance(exc, VerispecError):  # a bug, not bad input: keep its traceback
+                _log.exception("a step failed for requests %s", [s.request.request_id for s in seqs])
             message = str(exc) if isinstance(exc, VerispecError) else f"internal error: {exc!r}"
             for seq in seqs:
                 self.scheduler.release(seq)

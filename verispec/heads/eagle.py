@@ -88,7 +88,9 @@ class RMSNorm(nn.Module):
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[..., head_dim]`` for integer ``positions [...]`` (the Llama/Qwen half-split layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    )
     angles = positions.double()[..., None] * inv_freq  # [..., d/2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
@@ -110,9 +112,9 @@ class DraftCache:
     has to be rolled back.
     """
 
-    def __init__(self, config: EagleConfig, capacity: int = 256) -> None:
+    def __init__(self, config: EagleConfig, capacity: int = 256, device: torch.device | None = None) -> None:
         shape = (config.num_key_value_heads, capacity, config.head_dim)
-        self._keys, self._values = torch.zeros(shape), torch.zeros(shape)
+        self._keys, self._values = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
         self.length = 0
 
     @classmethod
@@ -277,7 +279,7 @@ class EagleDrafter(nn.Module):
         x = self.fc(torch.cat(pairs, dim=-1))
         qkv = _joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", _norm(layer.input_layernorm, x, ops))
         qkv = qkv.contiguous()
-        cos, sin = self._rope(torch.cat([g.positions for g in groups]))
+        cos, sin = self._rope(torch.cat([g.positions for g in groups]).to(x.device))
         rotated = cfg.num_attention_heads + cfg.num_key_value_heads
         if ops is not None:
             ops.rotary_(qkv, cos, sin, rotated)
@@ -296,7 +298,9 @@ class EagleDrafter(nn.Module):
         table = getattr(self, "_rope_table", None)
         if table is None or table[0].shape[0] < need:
             size = max(need, 2 * (table[0].shape[0] if table is not None else 128))
-            table = rotary(torch.arange(size), self.config.head_dim, self.config.rope_theta)
+            table = rotary(
+                torch.arange(size, device=positions.device), self.config.head_dim, self.config.rope_theta
+            )
             self._rope_table = table
         return table[0][positions], table[1][positions]
 
@@ -317,7 +321,9 @@ class EagleDrafter(nn.Module):
             g.cache.write(g.slot, new_keys.transpose(0, 1), new_values.transpose(0, 1))
             keys, values = g.cache.visible(g.slot + n)
             query = rows[:, :heads].transpose(0, 1).reshape(kv, shared * n, d)
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask.repeat(shared, 1))
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=g.mask.to(query.device).repeat(shared, 1)
+            )
             outs.append(out.view(heads, n, d).transpose(0, 1).reshape(n, heads * d))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -80,6 +80,8 @@ def rowwise_attention(
         keys, values = rows.caches[b].layer(layer)  # [Hkv, capacity, D]
         start, n = rows.starts[b], rows.lengths[b]
         tree = rows.tree_mask(b)
+        if tree is not None:  # built on the CPU by the engine; its paths index this row's buffers
+            tree = tree.to(keys.device)
         if n > ROWWISE_MAX_QUERIES and tree is None:
             out[b, :n] = _prefill_row(query[b, :, :n], keys, values, start, scale, window).view(
                 n, kv_heads, groups, dim
@@ -146,8 +148,8 @@ def _prefill_row(
     """SDPA for one long row over its cached prefix plus its new tokens: [n, H, D]."""
     n = query.shape[1]
     total = start + n
-    pos = torch.arange(start, total).unsqueeze(1)  # [n, 1] query positions
-    key_pos = torch.arange(total).unsqueeze(0)  # [1, total]
+    pos = torch.arange(start, total, device=query.device).unsqueeze(1)  # [n, 1] query positions
+    key_pos = torch.arange(total, device=query.device).unsqueeze(0)  # [1, total]
     allowed = key_pos <= pos
     if window:
         allowed &= key_pos > pos - window

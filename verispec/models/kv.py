@@ -65,10 +65,10 @@ class KVBuffer:
         if end > self._length or (kept and kept[-1] >= self._length - start):
             raise ValueError(f"cannot keep rows {kept} from {start} in a cache of {self._length}")
         if kept != list(range(len(kept))):  # a tree's path: move its rows next to each other
-            idx = torch.tensor([start + k for k in kept])
+            idx = [start + k for k in kept]
             for store in (self.keys, self.values):
                 for buf in store.values():
-                    buf[:, start:end] = buf.index_select(1, idx)
+                    buf[:, start:end] = buf.index_select(1, torch.tensor(idx, device=buf.device))
         self._length = end
 
     def clone(self) -> KVBuffer:

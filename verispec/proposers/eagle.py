@@ -106,7 +106,7 @@ class EagleProposer(HeadsProposer):
         return (target.model.get_input_embeddings(),)
 
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> EagleState:
-        return EagleState(cache=DraftCache.empty(self.drafter.config))
+        return EagleState(cache=DraftCache(self.drafter.config, device=self.device))
 
     def prefill(self, state: EagleState, hidden: torch.Tensor) -> None:
         if hidden.shape[0]:
@@ -122,7 +122,8 @@ class EagleProposer(HeadsProposer):
         state.pending.append(self.require_hidden(hidden, self.name).detach().float().clone())
 
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
-        return self.embeddings(torch.as_tensor(list(ids), dtype=torch.long)).float()
+        ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+        return self.embeddings(ids).float()
 
     @torch.inference_mode()
     def propose_batch(

@@ -81,6 +81,8 @@ class HeadsProposer(BatchProposer):
             quantize_model(module, quantize)
             fuse_projections(module)
         self.vocab_head = vocab_head
+        self.device = torch.device("cpu")
+        """Where the heads run: the target's device (:meth:`from_loaded` moves them there)."""
         self.nodes = nodes
         self.width = min(width, vocab_head.size)
         self.description: dict[str, object] = {
@@ -125,14 +127,16 @@ class HeadsProposer(BatchProposer):
         if layers and hasattr(target, "check_feature_layers"):
             target.check_feature_layers(layers)  # heads for this target's sizes but another depth
         quantization = heads_quantization(target)
+        device = getattr(target, "device", torch.device("cpu"))  # heads run where the target's states are
         proposer = cls(
-            loaded.module,
-            VocabHead(target, loaded.draft_vocab, int4=quantization == "int4"),
+            loaded.module.to(device),
+            VocabHead(target, loaded.draft_vocab, int4=quantization == "int4").to(device),
             *cls._target_parts(target),
             nodes=(spec.tree_nodes if spec is not None else None) or loaded.tree["nodes"],
             width=(spec.tree_width if spec is not None else None) or loaded.tree["width"],
             quantize=quantization,
         )
+        proposer.device = device
         proposer.description["heads"] = str(loaded.path) if loaded.path is not None else None
         return proposer
 

@@ -54,8 +54,9 @@ def rejection_sample(
     draft_probs = draft_probs.to(target_probs.dtype)
 
     positions = torch.arange(k, device=target_probs.device)  # [k]
-    target_token_probs = target_probs[positions, draft_tokens]  # [k]
-    draft_token_probs = draft_probs[positions, draft_tokens]  # [k]
+    drafted = draft_tokens.to(target_probs.device)  # proposers build token ids on the CPU
+    target_token_probs = target_probs[positions, drafted]  # [k]
+    draft_token_probs = draft_probs[positions, drafted]  # [k]
     uniforms = torch.rand(
         k, generator=generator, device=target_probs.device, dtype=target_probs.dtype
     )  # [k], in [0, 1)
@@ -100,7 +101,7 @@ def greedy_verify(
 ) -> VerifyResult:
     """Temperature 0: keep draft tokens while they equal the target's argmax, then add its argmax."""
     k = _check_shapes(draft_tokens, None, target_logits, "target_logits")
-    target_choice = target_logits.argmax(dim=-1)  # [k+1]
+    target_choice = target_logits.argmax(dim=-1).to(draft_tokens.device)  # [k+1], beside the draft
     matches = draft_tokens == target_choice[:k]  # [k] bool
     num_accepted = int(matches.long().cumprod(dim=0).sum())
     tokens = [*draft_tokens[:num_accepted].tolist(), int(target_choice[num_accepted])]

@@ -98,7 +98,7 @@ def _try_children(
     for c in candidates:
         before = p
         x = tokens[c]
-        u = float(torch.rand((), generator=generator, dtype=torch.float64))
+        u = float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device))
         q = probs[c].double()
         if u * float(q[x]) < float(p[x]):
             return c, p
