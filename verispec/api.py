@@ -32,6 +32,7 @@ from verispec.costs import load_costs_file
 from verispec.engine import SpecEngine
 from verispec.errors import ConfigError, VerispecError
 from verispec.heads.io import heads_kinds_in, shipped_heads_fit
+from verispec.heads.speculators_io import is_eagle3_folder
 from verispec.models import load_model
 from verispec.proposers import build_proposer
 
@@ -50,6 +51,7 @@ def default_method(
     a batch too large to gain. So the default speculates with whatever the target has:
 
     - a draft model, when one is given: naming one says how to draft;
+    - an EAGLE-3 drafter (speculators or research format) plus prompt lookup, when ``heads`` is one;
     - EAGLE heads plus prompt lookup, when heads are given or shipped for this very target: on the
       1.5B they were the fastest method on HumanEval and Spec-Bench alike
       (``docs/results/qwen2.5-coder-1.5b-learned-drafters/``),
@@ -61,6 +63,8 @@ def default_method(
     if draft is not None:
         return "draft"
     if heads is not None:
+        if is_eagle3_folder(Path(heads).expanduser()):
+            return "eagle3+ngram"
         kinds = heads_kinds_in(heads)
         if not kinds:
             raise VerispecError(f"no eagle or medusa heads in {heads} (nor in its eagle/ or medusa/)")

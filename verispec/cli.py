@@ -1,4 +1,5 @@
-"""Command line: ``verispec generate``, ``serve``, ``models``, ``bench``, ``train`` (heads) and ``distill``.
+"""Command line: ``verispec generate``, ``serve``, ``models``, ``bench``, ``train`` (heads), ``distill`` and
+``export``.
 
 User errors (:class:`VerispecError`) print one line and exit with status 2; no traceback. A refused
 setting (:class:`~verispec.errors.ConfigError`) is named by its flag. The settings' flags are made
@@ -121,13 +122,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     from verispec.bench.flags import add_parser as add_bench_parser  # the bench flags live with the bench
     from verispec.bench.flags import add_plan_parser
+    from verispec.heads.export import add_export_parser
     from verispec.training.distill import add_distill_parser
     from verispec.training.train import add_train_parser
 
     add_bench_parser(sub, DEFAULT_TARGET)
     add_plan_parser(sub)  # `verispec plan`: the same as `verispec bench plan`
-    add_train_parser(sub, DEFAULT_TARGET)  # `verispec train medusa|eagle`
+    add_train_parser(sub, DEFAULT_TARGET)  # `verispec train medusa|eagle|eagle3`
     add_distill_parser(sub, DEFAULT_TARGET)  # `verispec distill`: the target's replies, for training
+    add_export_parser(sub)  # `verispec export`: drafters for vLLM and SGLang
     return parser
 
 
@@ -156,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from verispec.training.distill import run_distill
 
             return run_distill(args)
+        if args.command == "export":
+            from verispec.heads.export import run_export
+
+            return run_export(args)
         from verispec.bench.cli import run_plan
 
         return run_plan(args)

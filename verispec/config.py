@@ -21,7 +21,7 @@ from verispec.errors import ConfigError
 
 T = TypeVar("T")
 
-Method = Literal["draft", "ngram", "medusa", "eagle", "medusa+ngram", "eagle+ngram"]
+Method = Literal["draft", "ngram", "medusa", "eagle", "eagle3", "medusa+ngram", "eagle+ngram", "eagle3+ngram"]
 """Speculation methods with a registered proposer; ``None`` in :class:`SpecConfig` means plain decoding."""
 
 METHODS: tuple[str, ...] = get_args(Method)
@@ -249,7 +249,8 @@ class SpecConfig(_Checked):
 
     method: Method | None = None
     """How to draft: draft (a draft model), ngram (prompt lookup), medusa or eagle (trained heads),
-    or heads plus prompt lookup (medusa+ngram, eagle+ngram); None decodes plainly (``none`` on the
+    eagle3 (an EAGLE-3 drafter in the speculators or research format, ``heads`` its folder), or
+    heads plus prompt lookup (medusa+ngram, eagle+ngram, eagle3+ngram); None decodes plainly (``none`` on the
     command line and in ``verispec.load``). Asking for ``auto`` lets
     :func:`verispec.api.default_method` pick for the target: draft with a draft model, else
     eagle+ngram where EAGLE heads are shipped or given, else ngram."""

@@ -188,3 +188,26 @@ def test_feature_layers_are_the_normed_inputs_of_those_layers(family, native_lay
     torch.testing.assert_close(outs["lean", (1, 0)].hidden[1][:, 128:], want, rtol=1e-5, atol=1e-5)
     with pytest.raises(VerispecError, match=r"decoder layers 0\.\.1"):
         fast.forward_batch([fast.new_cache()], [[1, 2]], logits_to_keep=[1], feature_layers=(2,))
+
+
+@pytest.mark.parametrize("native_layers", [False, True], ids=["torch-ops", "native-ops"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_raw_features_are_the_residual_stream_transformers_reports(family, native_layers):
+    """EAGLE-3 drafters in the ecosystem's format read the layers' inputs before their norm, as
+    transformers' ``output_hidden_states[i]`` gives them: lean (both operation sets) and
+    transformers' own forward must hand over those values."""
+    fast, slow = _pair(family, "none", native_layers)
+    prompt = [(7 * i + 2) % 96 for i in range(5)]  # inside the sliding windows: one attention rule
+    with torch.no_grad():  # (transformers' SDPA here: the same values up to rounding)
+        states = slow.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[1][0], states[0][0]], dim=-1)  # layers (1, 0), in that order
+    for lm in (fast, slow):
+        out = lm.forward_batch(
+            [lm.new_cache()],
+            [prompt],
+            logits_to_keep=[5],
+            return_hidden=True,
+            feature_layers=(1, 0),
+            raw_features=True,
+        )
+        torch.testing.assert_close(out.hidden[0][:, 64:], want, rtol=1e-5, atol=1e-6)

@@ -8,6 +8,8 @@ from ever ending early, so lengths in the tests are exact.
 
 from __future__ import annotations
 
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, TypeVar
 
+import httpx
 import openai
 import torch
 import uvicorn
@@ -147,3 +150,23 @@ def tiny_server(name: str, k: int) -> Iterator[LiveServer]:
     target, draft = tiny_pair()
     with live_server(make_engine(target, draft, "draft", k=k), name=name) as live:
         yield live
+
+
+def await_cli_server(proc: subprocess.Popen[str], seconds: float) -> tuple[str, str]:
+    """The URL a ``verispec serve`` subprocess serves at and the line that said so, once /health
+    answers: the lines before it (a model's first-use preparation) are skipped."""
+    assert proc.stderr is not None
+    skipped: list[str] = []
+    while not (match := re.search(r"serving \S+ at (http://\S+) ", line := proc.stderr.readline())):
+        skipped.append(line)
+        assert line and len(skipped) < 50, "".join(skipped)
+    url = match.group(1)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return url, line
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
+        time.sleep(0.1)

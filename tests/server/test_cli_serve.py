@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server.harness import tiny_pair
+from tests.server.harness import await_cli_server, tiny_pair
 from verispec.server import cap_malloc_arenas
 
 
@@ -86,21 +84,8 @@ def test_serves_with_speculation_by_default_until_interrupted(model_folder, tmp_
     ]  # fmt: skip
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()  # the first line says where it serves
-        match = re.search(r"serving tiny-chat at (http://\S+) ", line)
-        assert match, line
-        assert "method ngram, adaptive depth up to k=5" in line
-        url = match.group(1)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
-            time.sleep(0.1)
+        url, line = await_cli_server(proc, 60)
+        assert "serving tiny-chat at" in line and "method ngram, adaptive depth up to k=5" in line
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-chat"]
         card = httpx.get(f"{url}/v1/models").json()["data"][0]["verispec"]

@@ -132,6 +132,7 @@ class Step:
             logits_to_keep=[len(r) if want else 0 for r, want in zip(rows, scored, strict=True)],
             hidden_to_keep=[len(r) for r in rows] if self._needs_hidden else None,
             feature_layers=self._feature_layers,
+            raw_features=self._raw_features,
         )
         for seq, start, row, logits, want in zip(seqs, starts, rows, out.logits, scored, strict=True):
             if want:  # the chunk's logits score the prompt's next tokens
@@ -156,6 +157,7 @@ class Step:
             logits_to_keep=[d.size + 1 for d in drafts],
             return_hidden=self._needs_hidden,
             feature_layers=self._feature_layers,
+            raw_features=self._raw_features,
             positions=rows.positions,
             tree_masks=rows.masks,
         )
@@ -211,6 +213,10 @@ class Step:
     @property
     def _feature_layers(self) -> tuple[int, ...]:
         return self.proposer.feature_layers if self.proposer is not None else ()
+
+    @property
+    def _raw_features(self) -> bool:
+        return bool(getattr(self.proposer, "raw_features", False))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class CausalLM(Protocol):
         tree_masks: Sequence[torch.Tensor | None] | None = None,  # per row [S_b, S_b] bool (trees)
         hidden_to_keep: Sequence[int] | None = None,  # per row, hidden states of its last this-many
         feature_layers: Sequence[int] = (),  # decoder layers whose normed inputs follow each hidden state
+        raw_features: bool = False,  # those layers' inputs before their norm (EAGLE-3's states)
     ) -> BatchOutput:
         """Many sequences in one pass. A row's result does not depend on the other rows: batching
         is invisible in the output, to the bit on the batch-invariant paths."""

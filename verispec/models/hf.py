@@ -110,13 +110,15 @@ class HFCausalLM:
         tree_masks: Sequence[torch.Tensor | None] | None = None,
         hidden_to_keep: Sequence[int] | None = None,
         feature_layers: Sequence[int] = (),
+        raw_features: bool = False,
     ) -> BatchOutput:
         """One decoder pass over several sequences, each appending its own tokens to its own cache.
 
         Row b's logits are for its last ``logits_to_keep[b]`` new tokens (0: none). Hidden states
         come back for the last ``hidden_to_keep[b]`` tokens, or with ``return_hidden`` for the
         same tokens as the logits; ``feature_layers`` appends the normed inputs of those decoder
-        layers to each hidden state (``[keep, (1 + len) H]``, see :func:`verispec.models.lean.forward`).
+        layers to each hidden state (``[keep, (1 + len) H]``, see :func:`verispec.models.lean.forward`),
+        or with ``raw_features`` their inputs before that norm (EAGLE-3's auxiliary states).
         ``positions`` overrides
         the default positions (cache length onwards), as token trees do; ``tree_masks`` gives each
         row's attention among its new tokens (see :class:`RowBatch`).
@@ -155,10 +157,16 @@ class HFCausalLM:
         with prompt_rows() if not any(logits_to_keep) else nullcontext():
             if self.lean:
                 hidden = lean.forward(
-                    self.decoder, input_ids, position_ids, rows, taps, native=self.native_layers
+                    self.decoder,
+                    input_ids,
+                    position_ids,
+                    rows,
+                    taps,
+                    native=self.native_layers,
+                    raw_taps=raw_features,
                 )  # [B, S, H']
             else:
-                hidden = self._decoder_forward(input_ids, position_ids, rows, taps)
+                hidden = self._decoder_forward(input_ids, position_ids, rows, taps, raw_features)
         for cache, n in zip(caches, lengths, strict=True):
             cache.advance(n)
         kept = [hidden[b, n - k : n] for b, (n, k) in enumerate(zip(lengths, logits_to_keep, strict=True))]
@@ -186,13 +194,19 @@ class HFCausalLM:
         return tuple(int(i) for i in layers)
 
     def _decoder_forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: RowBatch, taps: tuple[int, ...]
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        rows: RowBatch,
+        taps: tuple[int, ...],
+        raw: bool = False,
     ) -> torch.Tensor:
-        """transformers' own decoder forward; a tap's feature is caught at its layer's input norm."""
+        """transformers' own decoder forward; a tap's feature is caught at its layer's input norm
+        (``raw``: the norm's input, else its output)."""
         tapped: dict[int, torch.Tensor] = {}
         hooks = [
             self.decoder.layers[i].input_layernorm.register_forward_hook(
-                lambda _m, _a, out, i=i: tapped.__setitem__(i, out)
+                lambda _m, args, out, i=i: tapped.__setitem__(i, args[0] if raw else out)
             )
             for i in taps
         ]

@@ -81,12 +81,15 @@ def forward(
     taps: Sequence[int] = (),
     *,
     native: bool = True,
+    raw_taps: bool = False,
 ) -> torch.Tensor:
     """The decoder's last hidden state after its final norm, [B, S, H], as its own forward gives.
 
     ``taps``: decoder layer indices whose *normed input* (what the layer's attention reads, after
     its ``input_layernorm``) is appended, giving ``[B, S, (1 + len(taps)) H]``: EAGLE-3's low and
-    middle layer features, taken where the forward computes them anyway.
+    middle layer features, taken where the forward computes them anyway. ``raw_taps``: the layers'
+    inputs before that norm instead (the residual stream, as transformers' ``output_hidden_states``
+    gives it): what the ecosystem's EAGLE-3 drafters (:mod:`verispec.heads.eagle3`) read.
 
     ``native``: run the layers' small operations through ``kernels/layer_ops.cpp`` where it builds
     (float32 on CPU); False keeps the torch operations, transformers' bits (the reference the tests
@@ -96,11 +99,11 @@ def forward(
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over heads, for [B, S, heads, D]
     window = _WINDOWS[type(decoder).__name__]
     if native and _native_ready(hidden):
-        return _native_forward(decoder, hidden, cos, sin, rows, window, taps)
+        return _native_forward(decoder, hidden, cos, sin, rows, window, taps, raw_taps)
     tapped: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(decoder.layers):
         if i in taps:
-            tapped[i] = _rms_norm(layer.input_layernorm, hidden)
+            tapped[i] = hidden if raw_taps else _rms_norm(layer.input_layernorm, hidden)
         hidden = _layer(layer, hidden, cos, sin, rows, window(layer.self_attn))
     return with_taps(_rms_norm(decoder.norm, hidden), tapped, taps)
 
@@ -125,6 +128,7 @@ def _native_forward(
     rows: RowBatch,
     window: Callable[[nn.Module], int | None],
     taps: Sequence[int] = (),
+    raw_taps: bool = False,
 ) -> torch.Tensor:
     """:func:`forward`'s layers with the C++ operations; each residual add is fused into the norm
     after it (the next layer's input norm, or the final norm), whose output is a tap's feature."""
@@ -137,7 +141,7 @@ def _native_forward(
     tapped: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         if i in taps:
-            tapped[i] = x
+            tapped[i] = hidden.clone() if raw_taps else x
         attn, mlp = layer.self_attn, layer.mlp
         delta = _native_attention(attn, x, cos, sin, rows, window(attn))
         norm = layer.post_attention_layernorm

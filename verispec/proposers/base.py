@@ -35,6 +35,9 @@ class Proposer(ABC):
     feature_layers: tuple[int, ...] = ()
     """Decoder layers whose normed inputs a ``needs_hidden`` proposer also wants (EAGLE-3's low and
     middle layers): they follow the last-layer state in each hidden row, ``[n, (1 + F) H]``."""
+    raw_features: bool = False
+    """Those layers' inputs before their norm instead (the residual stream): what drafters in the
+    ecosystem's EAGLE-3 format read (:mod:`verispec.heads.eagle3`)."""
     drafts_trees: ClassVar[bool] = False
     """True for proposers whose trees carry scores (Medusa, EAGLE): the engine asks them for their
     full depth and the depth policy then keeps the best prefix of each tree (its node budget)."""

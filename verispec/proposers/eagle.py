@@ -121,6 +121,10 @@ class EagleProposer(HeadsProposer):
     ) -> None:
         state.pending.append(self.require_hidden(hidden, self.name).detach().float().clone())
 
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's true features from the engine's hidden rows ``[n, (1 + F) H]``."""
+        return self.drafter.fuse(hidden)
+
     def _embed(self, ids: Sequence[int]) -> torch.Tensor:
         ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
         return self.embeddings(ids).float()
@@ -244,7 +248,7 @@ class EagleProposer(HeadsProposer):
             groups.append(DraftRows(state.cache, start, torch.arange(start, start + n), causal))
         if not todo:
             return
-        out = self.drafter.step(self._embed(ids), self.drafter.fuse(torch.cat(features)), groups)
+        out = self.drafter.step(self._embed(ids), self._features(torch.cat(features)), groups)
         row = 0
         for state, n in todo:
             state.cache.commit(n)

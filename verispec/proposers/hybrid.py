@@ -29,6 +29,7 @@ from verispec.heads.trees import best_subtree
 from verispec.policy import AcceptanceEstimate, AcceptancePrior
 from verispec.proposers.base import BatchProposer, Proposer, ProposerFactory, register
 from verispec.proposers.eagle import EagleProposer
+from verispec.proposers.eagle3 import Eagle3Proposer
 from verispec.proposers.heads_base import HeadsProposer
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer, NgramState
@@ -62,6 +63,7 @@ class HybridProposer(BatchProposer):
         self.lookup = lookup
         self.name = f"{heads.name}+ngram"  # type: ignore[misc]  # one class, two registered names
         self.feature_layers = heads.feature_layers
+        self.raw_features = heads.raw_features
         self.prior = AcceptancePrior(mean=0.5)
         """Lookup's record over all sequences. Neutral where nothing is measured yet: the engine's
         optimistic 0.8 would rank an unmeasured lookup branch above most of the heads' nodes."""
@@ -165,3 +167,4 @@ def _hybrid(heads_cls: type[HeadsProposer]) -> ProposerFactory:
 
 register("eagle+ngram")(_hybrid(EagleProposer))
 register("medusa+ngram")(_hybrid(MedusaProposer))
+register("eagle3+ngram")(_hybrid(Eagle3Proposer))

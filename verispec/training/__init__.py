@@ -18,7 +18,8 @@ Modules, in the order data flows through them:
   states kept while generating);
 - :mod:`~verispec.training.config`: :class:`~verispec.training.config.TrainSettings`;
   :mod:`~verispec.training.tokens`: a store's labels and features per position;
-- :mod:`~verispec.training.medusa`, :mod:`~verispec.training.eagle`: each kind's loss and accuracy;
+- :mod:`~verispec.training.medusa`, :mod:`~verispec.training.eagle`, :mod:`~verispec.training.eagle3`:
+  each kind's loss and accuracy (eagle3: an EAGLE-3 drafter in speculators' format);
   :mod:`~verispec.training.loop`: the optimisation loop and warm starts;
 - :mod:`~verispec.training.train`: :func:`~verispec.training.train.train_heads` and ``verispec train``.
 """

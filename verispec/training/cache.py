@@ -3,7 +3,8 @@
 A store is named by the target, its quantization and the data settings (the int8 and int4 paths
 give different hidden states for the same model: heads for one are trained on its own features),
 and every reuse is checked before any work: another model's states, another quantization's, other
-feature layers, or a distilled file of another model's replies are refused.
+feature layers (or their raw inputs where normed ones are asked for, and the other way round), or a
+distilled file of another model's replies are refused.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def prepare_store(
     return store
 
 
+def _taps(raw: bool) -> str:
+    return "raw inputs" if raw else "normed inputs"
+
+
 def quantization_of(target: Any) -> str:
     return str(getattr(target, "quantization", "none"))
 
@@ -71,9 +76,10 @@ def open_store(
     target: Any, identity: TargetIdentity, spec: DataSpec, cache_dir: Path | None = None
 ) -> HiddenStore:
     """The store of ``spec``'s data for ``target`` (empty if new), refused where it holds another
-    model's states, another quantization's or other feature layers, or where the distilled file holds
-    another model's replies: all before any work. Where it was made beside another kind of LM head,
-    its argmaxes are recomputed (:meth:`HiddenStore.recompute_argmax`)."""
+    model's states, another quantization's, other feature layers or other taps of them (raw or
+    normed), or where the distilled file holds another model's replies: all before any work. Where
+    it was made beside another kind of LM head, its argmaxes are recomputed
+    (:meth:`HiddenStore.recompute_argmax`)."""
     # The int8 and int4 paths give different hidden states for the same model: heads for one are
     # trained on its own features, so the quantization names the cache and is checked on reuse.
     quantization = quantization_of(target)
@@ -89,8 +95,14 @@ def open_store(
         )
     if store.meta and store.feature_layers != spec.feature_layers:
         raise VerispecError(
-            f"{cache_dir} keeps the normed inputs of layers {list(store.feature_layers)}, not of "
-            f"{list(spec.feature_layers)}; pass another --cache-dir"
+            f"{cache_dir} keeps the {_taps(store.raw_taps)} of layers {list(store.feature_layers)}, not "
+            f"of {list(spec.feature_layers)}; pass another --cache-dir"
+        )
+    if store.meta and store.feature_layers and store.raw_taps != spec.raw_taps:
+        raise VerispecError(
+            f"{cache_dir} keeps the {_taps(store.raw_taps)} of layers {list(store.feature_layers)}, not "
+            f"their {_taps(spec.raw_taps)} (EAGLE-3 drafters read the raw ones, verispec's EAGLE the "
+            "normed ones); pass another --cache-dir"
         )
     if spec.feature_layers and hasattr(target, "check_feature_layers"):
         target.check_feature_layers(spec.feature_layers)

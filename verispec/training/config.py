@@ -21,6 +21,10 @@ slower, so ``auto`` picks it only where oneDNN reports support."""
 LABELS = ("soft", "target", "data")
 """soft: the target's distribution over the draft vocabulary (its LM head on the stored hidden state
 whose output the label is); target: its argmax; data: the text's own next token."""
+TRAIN_KINDS = (*KINDS, "eagle3")
+"""What ``verispec train`` fits: verispec's own heads (:data:`~verispec.heads.io.KINDS`, saved in its
+format) and ``eagle3``, an EAGLE-3 drafter saved in speculators' format
+(:mod:`verispec.training.eagle3`)."""
 EVAL_SPLITS = ("heldout", "train")
 """The splits :meth:`TokenData.eval_sequences` measures heads on: held-out text, or a same-size
 sample of the training text (the gap between them shows memorisation)."""
@@ -37,6 +41,13 @@ class TrainSettings:
     """EAGLE: MLP width of the layer (None: the target's)."""
     unroll: int = 3
     """EAGLE: passes of training-time test (draft depths trained on the drafter's own features)."""
+    aux_layers: tuple[int, ...] = ()
+    """EAGLE-3: target layers whose raw inputs the drafter concatenates, in its ``fc``'s order
+    (vLLM's and speculators' ids: i is the input of decoder layer i)."""
+    norm_before_residual: bool = False
+    """EAGLE-3: the residual around the layer's attention is ``hidden_norm(h)`` rather than ``h``.
+    Off (the EAGLE authors' arithmetic) runs alike in vLLM and SGLang, whose EAGLE-3 layer reads no
+    such option; speculators' trainer turns it on."""
     draft_vocab: int = 8192
     """Most frequent label tokens the heads draft over (0: the whole vocabulary)."""
     eagle_init: str = "identity"
@@ -62,8 +73,9 @@ class TrainSettings:
     optimizer state and the loss stay float32)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise VerispecError(f"unknown heads kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        if self.kind not in TRAIN_KINDS:
+            raise VerispecError(f"unknown heads kind {self.kind!r}; choose one of {', '.join(TRAIN_KINDS)}")
+        object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
         if self.eagle_init not in ("identity", "random"):
             raise VerispecError(f"--eagle-init must be identity or random, got {self.eagle_init!r}")
         if self.precision not in PRECISIONS:
@@ -77,8 +89,14 @@ class TrainSettings:
             raise VerispecError("draft_vocab must be >= 0 and lr > 0")
 
     @property
+    def eval_depths(self) -> int:
+        """EAGLE depths measured after training and by ``--eval-only``: at least 5, beyond ``unroll``
+        too, because the drafter runs deeper at inference than it was unrolled in training."""
+        return max(self.unroll, 5)
+
+    @property
     def tree(self) -> dict[str, int]:
-        default = DEFAULT_TREE[self.kind]
+        default = DEFAULT_TREE.get(self.kind, DEFAULT_TREE["eagle"])  # eagle3 drafts trees as eagle
         return {"nodes": self.tree_nodes or default["nodes"], "width": self.tree_width or default["width"]}
 
 

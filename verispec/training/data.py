@@ -61,6 +61,10 @@ class DataSpec:
     feature_layers: tuple[int, ...] = ()
     """Decoder layers whose normed inputs the store keeps too (``taps``, for EAGLE-3's multi-layer
     features): not the text, but what is cached of it, so it names the cache like the text does."""
+    raw_taps: bool = False
+    """The taps are those layers' raw inputs (the residual stream before their norm, what an EAGLE-3
+    drafter in speculators' format reads) rather than the normed ones verispec's EAGLE fuses. The
+    same layers give other numbers either way, so it names the cache too: the two never mix."""
 
     def __post_init__(self) -> None:
         bad = [s for s in self.sources if s not in SOURCES]
@@ -81,16 +85,18 @@ class DataSpec:
             i < 0 for i in self.feature_layers
         ):
             raise VerispecError(f"--feature-layers must be distinct layer indices, got {self.feature_layers}")
+        if self.raw_taps and not self.feature_layers:
+            raise VerispecError("raw taps (EAGLE-3's auxiliary states) need the layers to tap")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def key(self) -> str:
         """The cache folder's key: everything but ``max_tokens`` (a store grows to cover more);
-        ``skip_tokens``, ``distilled`` and ``feature_layers`` only where set, so stores built before
-        them keep their key."""
+        ``skip_tokens``, ``distilled``, ``feature_layers`` and ``raw_taps`` only where set, so stores
+        built before them keep their key."""
         fields = {k: v for k, v in self.to_dict().items() if k != "max_tokens"}
-        for optional in ("skip_tokens", "distilled", "feature_layers"):
+        for optional in ("skip_tokens", "distilled", "feature_layers", "raw_taps"):
             if not fields[optional]:
                 del fields[optional]
         return hashlib.sha256(json.dumps({**fields, "stream": 2}, sort_keys=True).encode()).hexdigest()[:12]

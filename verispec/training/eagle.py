@@ -29,21 +29,29 @@ class EagleBatch:
     valid: torch.Tensor  # [B, L]
 
 
+def pair_positions(
+    seqs: list[tuple[int, int]], total: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, L]`` store positions j of each sequence's pairs, of their next tokens j + 1, and which are
+    real: sequences padded to the longest with their own first position, never valid."""
+    length = max(b - a - 1 for a, b in seqs)
+    index = torch.zeros(len(seqs), length, dtype=torch.long)
+    valid = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for row, (a, b) in enumerate(seqs):
+        n = b - a - 1
+        index[row, :n] = torch.arange(a, a + n)
+        index[row, n:] = a
+        valid[row, :n] = True
+    return index, (index + 1).clamp_max(total - 1), valid
+
+
 def eagle_batch(
     data: TokenData, embeddings: torch.Tensor, seqs: list[tuple[int, int]], layers: tuple[int, ...] = ()
 ) -> EagleBatch:
     """Pairs ``(h_j, x_{j+1})`` of each sequence, padded to the longest (padding is never valid and,
     coming after every real position, never attended to by one); ``layers``: the drafter's feature
     layers, whose taps come with ``h_j``."""
-    length = max(b - a - 1 for a, b in seqs)
-    feat_idx = torch.zeros(len(seqs), length, dtype=torch.long)
-    valid = torch.zeros(len(seqs), length, dtype=torch.bool)
-    for row, (a, b) in enumerate(seqs):
-        n = b - a - 1
-        feat_idx[row, :n] = torch.arange(a, a + n)
-        feat_idx[row, n:] = a
-        valid[row, :n] = True
-    nxt = (feat_idx + 1).clamp_max(data.total - 1)
+    feat_idx, nxt, valid = pair_positions(seqs, data.total)
     return EagleBatch(
         embeds=embeddings[data.tokens[nxt]],
         features=data.features(feat_idx, layers),

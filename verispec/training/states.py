@@ -21,7 +21,12 @@ DECODE_ROWS = 16
 
 @torch.inference_mode()
 def target_states(
-    target: Any, ids: list[int], feature_layers: tuple[int, ...] = (), prompt_len: int = 0
+    target: Any,
+    ids: list[int],
+    feature_layers: tuple[int, ...] = (),
+    prompt_len: int = 0,
+    *,
+    raw_features: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden state after each token of ``ids`` ``[n, H]`` (``[n, (1 + F) H]`` with
     ``feature_layers``) and its argmax next token ``[n]``, with the engine's own forward (so, int8 on
@@ -37,21 +42,28 @@ def target_states(
     ``ids`` whole (text nobody generated: a prompt's states are all there is).
     """
     if prompt_len <= 0:
-        parts = [_fed(target, ids, feature_layers, prefill=True)]
+        parts = [_fed(target, ids, feature_layers, raw_features, prefill=True)]
     else:
         chunk, cache = SchedulerConfig().prefill_chunk, target.new_cache()
         parts, pos = [], 0
         while pos < prompt_len - 1:  # as the engine's prefill (verispec.engine.step) cuts a prompt
             end = min(prompt_len - 1, (pos // chunk + 1) * chunk)
-            parts.append(_fed(target, ids[pos:end], feature_layers, prefill=True, cache=cache))
+            parts.append(_fed(target, ids[pos:end], feature_layers, raw_features, prefill=True, cache=cache))
             pos = end
         for a in range(pos, len(ids), DECODE_ROWS):
-            parts.append(_fed(target, ids[a : a + DECODE_ROWS], feature_layers, prefill=False, cache=cache))
+            rows = ids[a : a + DECODE_ROWS]
+            parts.append(_fed(target, rows, feature_layers, raw_features, prefill=False, cache=cache))
     return torch.cat([h for h, _ in parts]), torch.cat([t for _, t in parts]).int()
 
 
 def _fed(
-    target: Any, ids: list[int], feature_layers: tuple[int, ...], *, prefill: bool, cache: Any = None
+    target: Any,
+    ids: list[int],
+    feature_layers: tuple[int, ...],
+    raw_features: bool,
+    *,
+    prefill: bool,
+    cache: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``ids`` after ``cache``'s tokens: states and argmax, as a prefill (no logits:
     the many-row kernels) or as decode rows (logits kept: the decode kernels)."""
@@ -62,6 +74,7 @@ def _fed(
         logits_to_keep=[0 if prefill else n],
         hidden_to_keep=[n],
         feature_layers=feature_layers,
+        raw_features=raw_features,
     )
     hidden = out.hidden[0].float()
     if not prefill:

@@ -34,9 +34,9 @@ class HiddenStore:
 
     ``tokens`` int32 [T], ``labelled`` bool [T], ``hidden`` float16 [T, H] (the target's last hidden
     state after each token), with ``DataSpec.feature_layers`` ``taps`` float16 [T, F * H] (those
-    layers' normed inputs), ``argmax`` int32 [T] (the target's greedy next token after each token),
-    ``starts`` int64 [S + 1] (sequence boundaries), ``heldout`` bool [S], ``source`` uint8 [S] (index
-    into :data:`SOURCES`).
+    layers' normed inputs, or with ``DataSpec.raw_taps`` their raw inputs), ``argmax`` int32 [T] (the
+    target's greedy next token after each token), ``starts`` int64 [S + 1] (sequence boundaries),
+    ``heldout`` bool [S], ``source`` uint8 [S] (index into :data:`SOURCES`).
 
     The sequences are a prefix of the example stream (:func:`build_examples`); :meth:`extend` appends
     the next ones, so more data never recomputes the hidden states already cached.
@@ -284,6 +284,11 @@ class HiddenStore:
     def feature_layers(self) -> tuple[int, ...]:
         return tuple(self.meta.get("data", {}).get("feature_layers", ()))
 
+    @property
+    def raw_taps(self) -> bool:
+        """Whether the taps are the layers' raw inputs (EAGLE-3) rather than their normed ones."""
+        return bool(self.meta.get("data", {}).get("raw_taps", False))
+
     def summary(self, max_tokens: int | None = None) -> dict[str, Any]:
         """Sequence and token counts of the data :meth:`arrays` returns for ``max_tokens``."""
         arrays = self.arrays(max_tokens)
@@ -310,6 +315,7 @@ class HiddenStore:
         tokens = self.array("tokens")
         hidden = self.array("hidden", "r+")
         layers = self.feature_layers
+        raw = {"raw_features": True} if self.raw_taps else {}  # other stores call it as before
         taps = self.array("taps", "r+") if layers else None
         argmax = self.array("argmax", "r+")
         done = int(self.meta["done"])
@@ -327,10 +333,10 @@ class HiddenStore:
             if filled[s]:  # kept while generating (put)
                 continue
             a, b = int(starts[s]), int(starts[s + 1])
-            h, top = target_states(target, tokens[a:b].tolist(), layers, int(prompts[s]))
+            h, top = target_states(target, tokens[a:b].tolist(), layers, int(prompts[s]), **raw)
             hidden[a:b] = h[:, : hidden.shape[1]].numpy().astype(np.float16)
             if taps is not None:
-                taps[a:b] = h[:, hidden.shape[1] :].numpy().astype(np.float16)
+                taps[a:b] = _half(h[:, hidden.shape[1] :], s)
             argmax[a:b] = top.numpy()
             filled[s] = True
             bar.update(b - a)
@@ -355,3 +361,16 @@ class HiddenStore:
         argmax.flush()
         self.meta.update(seconds=seconds, cpu_seconds=cpu_seconds)
         self._save_filled(filled)
+
+
+def _half(rows: torch.Tensor, sequence: int) -> np.ndarray:
+    """Taps as float16, refused where a value does not fit: a raw residual stream is not normed, and
+    a model with outlier activations beyond float16's 65504 would otherwise be cached as infinities
+    that a drafter trains on without a word."""
+    out = rows.numpy().astype(np.float16)
+    if not np.isfinite(out).all():
+        raise VerispecError(
+            f"sequence {sequence}: tapped states beyond float16's range ({float(rows.abs().max()):.3g}); "
+            "this target's taps cannot be cached in float16"
+        )
+    return out

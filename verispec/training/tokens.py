@@ -31,14 +31,20 @@ class TokenData:
         store: HiddenStore | dict[str, np.ndarray],
         labels: str = "target",
         feature_layers: tuple[int, ...] | None = None,
+        raw_taps: bool | None = None,
     ) -> None:
-        """``feature_layers``: the layers of the arrays' ``taps`` (a store's own by default)."""
+        """``feature_layers``: the layers of the arrays' ``taps`` (a store's own by default);
+        ``raw_taps``: whether those are the layers' raw inputs (EAGLE-3's) rather than their normed
+        ones (a store's own by default; arrays without a store: normed)."""
         arrays = store if isinstance(store, dict) else store.arrays()
         if feature_layers is None:
             feature_layers = () if isinstance(store, dict) else store.feature_layers
+        if raw_taps is None:
+            raw_taps = False if isinstance(store, dict) else store.raw_taps
         if feature_layers and "taps" not in arrays:
             raise VerispecError(f"feature layers {list(feature_layers)} asked for, but the data has no taps")
         self.feature_layers = tuple(feature_layers)
+        self.raw_taps = bool(raw_taps)
         self.taps = arrays["taps"] if feature_layers else None
         self.hidden = arrays["hidden"]
         tokens = np.asarray(arrays["tokens"]).astype(np.int64)
@@ -90,6 +96,11 @@ class TokenData:
                 f"a drafter fusing layers {list(layers)} needs their hidden states; the data has "
                 f"{list(self.feature_layers) or 'the last layer only'} (train with --feature-layers)"
             )
+        if layers and self.raw_taps:
+            raise VerispecError(
+                f"the data's taps of layers {list(layers)} are raw residual states (EAGLE-3's, "
+                "--aux-layers); verispec's EAGLE fuses normed ones (train with --feature-layers)"
+            )
         flat = index.reshape(-1).numpy()
         rows = torch.from_numpy(np.asarray(self.hidden[flat], dtype=np.float32))
         if layers and self.taps is not None:
@@ -97,13 +108,38 @@ class TokenData:
             rows = torch.cat([rows, lower], dim=-1)
         return rows.reshape(*index.shape, -1)
 
-    def frequent_labels(self, n: int) -> tuple[torch.Tensor | None, float]:
-        """The ``n`` most frequent labels of the training split (None when n = 0) and the share of
-        training labels they cover."""
+    def aux(self, index: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+        """An EAGLE-3 drafter's input at positions ``index``: the raw inputs of ``layers`` (each among
+        the data's taps, which are kept in layer order), concatenated in ``layers``' order,
+        ``[..., len(layers) * H]`` (float32)."""
+        missing = [i for i in layers if i not in self.feature_layers]
+        if not self.raw_taps or missing or not layers:
+            have = f"raw taps of layers {list(self.feature_layers)}" if self.raw_taps else "no raw taps"
+            raise VerispecError(
+                f"an EAGLE-3 drafter reading layers {list(layers)} needs their raw inputs; the data has "
+                f"{have} (train eagle3 with --aux-layers {','.join(map(str, layers))})"
+            )
+        assert self.taps is not None
+        width = self.hidden.shape[1]
+        flat = index.reshape(-1).numpy()
+        taps = torch.from_numpy(np.asarray(self.taps[flat], dtype=np.float32)).unflatten(-1, (-1, width))
+        picked = taps[:, [self.feature_layers.index(i) for i in layers]]
+        return picked.reshape(*index.shape, len(layers) * width)
+
+    def label_counts(self, vocab_size: int) -> torch.Tensor:
+        """``[vocab_size]`` how often each token is a label in the training split."""
+        return torch.bincount(self.label[self._training_labels()], minlength=vocab_size)
+
+    def _training_labels(self) -> torch.Tensor:
         mask = self.ok.clone()
         for a, b in self.sequences(heldout=True):
             mask[a:b] = False
-        counts = torch.bincount(self.label[mask], minlength=1)
+        return mask
+
+    def frequent_labels(self, n: int) -> tuple[torch.Tensor | None, float]:
+        """The ``n`` most frequent labels of the training split (None when n = 0) and the share of
+        training labels they cover."""
+        counts = torch.bincount(self.label[self._training_labels()], minlength=1)
         if n == 0 or n >= counts.numel():
             return None, 1.0
         top = counts.topk(n)

@@ -1,6 +1,6 @@
 """Training Medusa heads and EAGLE drafters on cached target hidden states (CPU-feasible).
 
-``verispec train medusa|eagle --target NAME --out DIR`` runs three stages:
+``verispec train medusa|eagle|eagle3 --target NAME --out DIR`` runs three stages:
 
 1. data: tokenize ShareGPT conversations and standard-library code (:mod:`verispec.training.data`);
 2. hidden states: run the target once over every sequence and cache its last hidden state and its
@@ -10,6 +10,12 @@
    minutes (``--resume`` continues from it; :mod:`verispec.training.loop`), then held-out accuracy
    per tree depth (:mod:`verispec.training.medusa`, :mod:`verispec.training.eagle`), and the heads
    saved to ``--out`` in the :mod:`verispec.heads.io` format with the training record.
+
+``eagle3`` trains an EAGLE-3 drafter (:mod:`verispec.training.eagle3`) on the same stages, its store
+keeping the raw residual stream at the input of ``--aux-layers`` (default ``[2, L/2, L-3]``), and
+writes it in speculators' format (:func:`~verispec.heads.speculators_io.save_speculators`:
+``config.json`` + ``model.safetensors``, what vLLM and speculators load) with the training record,
+held-out accuracy included, as ``training.json`` beside it.
 
 Labels are, by default, the target's own argmax next token at each position (self-distillation):
 what greedy verification accepts, whatever the data's author wrote. ``--labels data`` uses the text.
@@ -27,7 +33,7 @@ import hashlib
 import shlex
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +44,28 @@ from torch import nn
 from verispec.errors import VerispecError
 from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.identity import TargetIdentity, embedding_table, identify
-from verispec.heads.io import DEFAULT_TREE, KINDS, load_heads, save_heads
+from verispec.heads.io import load_heads, save_heads
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead
 from verispec.training.cache import prepare_store
-from verispec.training.config import EVAL_SPLITS, LABELS, PRECISIONS, TrainSettings, default_precision
+from verispec.training.config import (
+    EVAL_SPLITS,
+    LABELS,
+    PRECISIONS,
+    TRAIN_KINDS,
+    TrainSettings,
+    default_precision,
+)
 from verispec.training.data import DEFAULT_SOURCES, SOURCES, DataSpec
 from verispec.training.eagle import eagle_batch, eagle_loss, evaluate_eagle, length_batches
+from verispec.training.eagle3 import (
+    DEFAULT_DRAFT_VOCAB,
+    aux_layers_for,
+    evaluate_eagle3,
+    load_for_target,
+    save_eagle3,
+    train_eagle3,
+)
 from verispec.training.loop import fit, warm_start
 from verispec.training.medusa import evaluate_medusa, medusa_loss, medusa_positions
 from verispec.training.records import read_records
@@ -53,9 +74,8 @@ from verispec.training.tokens import TokenData
 
 
 def eval_depths(settings: TrainSettings) -> int:
-    """EAGLE depths measured after training and by ``--eval-only``: at least 5, beyond ``--unroll``
-    too, because the drafter runs deeper at inference than it was unrolled in training."""
-    return max(settings.unroll, 5)
+    """EAGLE depths measured after training and by ``--eval-only`` (:attr:`TrainSettings.eval_depths`)."""
+    return settings.eval_depths
 
 
 def evaluate_saved(target: Any, data: TokenData, settings: TrainSettings) -> str:
@@ -66,20 +86,26 @@ def evaluate_saved(target: Any, data: TokenData, settings: TrainSettings) -> str
     if not data.sequences(heldout=True):
         raise VerispecError("the data has no held-out sequence yet (every 20th is one): raise --max-tokens")
     folder = Path(settings.init_from)
-    loaded = load_heads(folder, target, kind=settings.kind)
-    vocab = VocabHead(target, loaded.draft_vocab, for_training=True)
-    width = settings.tree_width or loaded.tree["width"]
-    embeddings = embedding_table(target.model.get_input_embeddings())
     rows = {}
-    for split in EVAL_SPLITS:
-        if loaded.kind == "medusa":
-            rows[split] = evaluate_medusa(loaded.module, vocab, data, width, split=split)  # type: ignore[arg-type]
-        else:
-            depths = eval_depths(settings)
-            rows[split] = evaluate_eagle(loaded.module, vocab, data, embeddings, width, depths, split=split)  # type: ignore[arg-type]
+    if settings.kind == "eagle3":
+        drafter, kind, width = load_for_target(folder, target), "eagle3", settings.tree["width"]
+        for split in EVAL_SPLITS:
+            rows[split] = evaluate_eagle3(drafter, data, width, eval_depths(settings), split=split)
+    else:
+        loaded = load_heads(folder, target, kind=settings.kind)
+        kind = loaded.kind
+        vocab = VocabHead(target, loaded.draft_vocab, for_training=True)
+        width = settings.tree_width or loaded.tree["width"]
+        embeddings = embedding_table(target.model.get_input_embeddings())
+        module, depths = loaded.module, eval_depths(settings)
+        for split in EVAL_SPLITS:
+            if loaded.kind == "medusa":
+                rows[split] = evaluate_medusa(module, vocab, data, width, split=split)  # type: ignore[arg-type]
+            else:
+                rows[split] = evaluate_eagle(module, vocab, data, embeddings, width, depths, split=split)  # type: ignore[arg-type]
     held, train = rows["heldout"], rows["train"]
     lines = [
-        f"{loaded.kind} heads in {folder} against the target's greedy token "
+        f"{kind} heads in {folder} against the target's greedy token "
         f"(depth: top-1 / top-{width} held-out | on a sample of the training text):"
     ]
     cell = lambda row: f"{row['top1']:.3f} / {row[f'top{width}']:.3f}"  # noqa: E731
@@ -174,17 +200,22 @@ def train_heads(
 # ----------------------------------------------------------------------------- CLI
 
 
+class _DefaultDraftVocab(int):
+    """``--draft-vocab``'s default, 8192, told apart from an 8192 typed on the command line (argparse
+    converts typed values with ``int``), so eagle3 can default to speculators' 32000 instead."""
+
+
 def add_train_parser(sub: Any, default_target: str) -> None:
-    """``verispec train medusa|eagle``: the flags (the command line module calls :func:`run_train`)."""
+    """``verispec train medusa|eagle|eagle3``: the flags (the command line module calls :func:`run_train`)."""
     from verispec.settings import add_load_flags, add_target_flag
 
     p = sub.add_parser(
         "train",
-        help="train Medusa heads or an EAGLE drafter for a target",
+        help="train Medusa heads, an EAGLE drafter or an EAGLE-3 drafter (speculators format) for a target",
         description="Train heads on ShareGPT conversations and standard-library code (never on the "
         "evaluation prompts), with the target's hidden states computed once and cached.",
     )
-    p.add_argument("kind", choices=KINDS)
+    p.add_argument("kind", choices=TRAIN_KINDS)
     add_target_flag(p, default_target)
     p.add_argument(
         "--out", type=Path, default=None,
@@ -209,21 +240,37 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this --out")
     p.add_argument("--num-heads", type=int, default=4, help="medusa: heads (tree depth)")
-    p.add_argument("--intermediate-size", type=int, default=None, help="eagle: MLP width (default: target's)")
-    p.add_argument("--unroll", type=int, default=3, help="eagle: training-time-test passes")
+    p.add_argument(
+        "--intermediate-size", type=int, default=None, help="eagle, eagle3: MLP width (default: target's)"
+    )
+    p.add_argument("--unroll", type=int, default=3, help="eagle, eagle3: training-time-test passes")
     p.add_argument(
         "--eagle-init", choices=["identity", "random"], default="identity", help="eagle: start from"
     )
     p.add_argument(
         "--init-from", type=Path, default=None,
-        help="heads folder to go on training from (eagle: a narrower MLP is widened to --intermediate-size)",
+        help="heads folder to go on training from (eagle: a narrower MLP is widened to --intermediate-size; "
+        "eagle3: an EAGLE-3 checkpoint, whose sizes, draft vocabulary and aux layers are kept)",
     )  # fmt: skip
     p.add_argument(
         "--feature-layers", default="",
         help="eagle: comma list of target decoder layers whose normed inputs are fused into the "
         "feature (EAGLE-3; e.g. 2,14 for a 28-layer target; cached with the hidden states)",
     )  # fmt: skip
-    p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N commonest tokens (0: all)")
+    p.add_argument(
+        "--aux-layers", default="",
+        help="eagle3: comma list of target layers whose raw inputs the drafter reads (vLLM's and "
+        "speculators' ids: i is the input of layer i; default 2,L/2,L-3; cached with the hidden states)",
+    )  # fmt: skip
+    p.add_argument(
+        "--verifier-name", default=None,
+        help="eagle3: the target's Hugging Face id or path recorded in the checkpoint (default: --target's "
+        "path where it is a folder, else its name)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-vocab", type=int, default=_DefaultDraftVocab(8192),
+        help=f"draft over the N commonest tokens (0: all; default 8192, eagle3 {DEFAULT_DRAFT_VOCAB})",
+    )  # fmt: skip
     p.add_argument(
         "--labels",
         choices=LABELS,
@@ -238,7 +285,12 @@ def add_train_parser(sub: Any, default_target: str) -> None:
     p.add_argument("--code-fraction", type=float, default=0.3, help="share of tokens from stdlib code")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--batch-tokens", type=int, default=2048, help="positions or tokens per step")
-    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 medusa, 5e-4 eagle")
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 medusa, 5e-4 eagle and eagle3")
+    p.add_argument(
+        "--norm-before-residual", choices=["on", "off"], default="off",
+        help="eagle3: residual around attention after hidden_norm (on: speculators' trainer; off, the "
+        "default: the EAGLE authors' arithmetic, which SGLang computes too)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--precision",
@@ -264,7 +316,8 @@ def run_train(args: argparse.Namespace) -> int:
         eagle_init=args.eagle_init,
         init_from=str(args.init_from.expanduser().resolve()) if args.init_from else None,
         unroll=args.unroll,
-        draft_vocab=args.draft_vocab,
+        draft_vocab=_draft_vocab(args),
+        norm_before_residual=args.norm_before_residual == "on",
         labels=args.labels,
         epochs=args.epochs,
         batch_tokens=args.batch_tokens,
@@ -282,22 +335,30 @@ def run_train(args: argparse.Namespace) -> int:
         seed=args.seed,
         skip_tokens=args.skip_tokens,
         distilled=str(args.distilled.expanduser().resolve()) if args.distilled else None,
-        feature_layers=_layer_list(args.feature_layers),
+        feature_layers=_layer_list(args.feature_layers, "--feature-layers"),
     )
     if args.out is None and not (args.data_only or args.eval_only):
         raise VerispecError("give --out FOLDER for the trained heads (or --data-only / --eval-only)")
     if spec.feature_layers and args.kind != "eagle":
-        raise VerispecError("--feature-layers is for eagle drafters (Medusa heads read the last layer only)")
+        raise VerispecError(
+            "--feature-layers is for eagle drafters (Medusa heads read the last layer only; eagle3 drafters "
+            "read raw states: --aux-layers)"
+        )
+    aux_layers = _layer_list(args.aux_layers, "--aux-layers")
+    if aux_layers and args.kind != "eagle3":
+        raise VerispecError("--aux-layers is for eagle3 drafters (eagle: --feature-layers)")
     from verispec.settings import load_config
 
     began = time.perf_counter()
     target = load_model(args.target, load_config(args))
     identity = identify(target)
+    if settings.kind == "eagle3":
+        settings, spec = _eagle3_layers(aux_layers, target, settings, spec)
     store = prepare_store(target, identity, spec, args.cache_dir, progress=not args.quiet)
     if args.data_only:
         print(f"hidden states cached in {store.folder}: {store.summary()}")
         return 0
-    data = TokenData(store.arrays(spec.max_tokens), settings.labels, store.feature_layers)
+    data = TokenData(store.arrays(spec.max_tokens), settings.labels, store.feature_layers, store.raw_taps)
     if args.eval_only:
         print(evaluate_saved(target, data, settings))
         return 0
@@ -305,20 +366,54 @@ def run_train(args: argparse.Namespace) -> int:
     key = hashlib.sha256(str(out).encode()).hexdigest()[:12]
     checkpoint = cache_root() / "heads-train" / f"{settings.kind}-{key}" / "checkpoint.pt"
     print(f"checkpoints: {checkpoint}", file=sys.stderr)
-    module, vocab_ids, report = train_heads(
-        target, data, settings, checkpoint=checkpoint, resume=args.resume, progress=not args.quiet
-    )
-    record = _training_record(report, store, identity, spec, target, began)
-    save_heads(out, settings.kind, module, identity, vocab_ids, tree=settings.tree, training=record)
-    print(_summary(settings.kind, out, record))
+    if settings.kind == "eagle3":
+        drafter, report = train_eagle3(
+            target, data, settings, checkpoint=checkpoint, resume=args.resume, progress=not args.quiet
+        )
+        record = _training_record(report, store, identity, spec, target, began)
+        save_eagle3(drafter, out, args.verifier_name or _verifier_name(args.target, target), target, record)
+    else:
+        module, vocab_ids, report = train_heads(
+            target, data, settings, checkpoint=checkpoint, resume=args.resume, progress=not args.quiet
+        )
+        record = _training_record(report, store, identity, spec, target, began)
+        save_heads(out, settings.kind, module, identity, vocab_ids, tree=settings.tree, training=record)
+    print(_summary(settings.kind, out, record, settings.tree["width"]))
     return 0
 
 
-def _layer_list(text: str) -> tuple[int, ...]:
+def _verifier_name(source: str, target: Any) -> str:
+    """speculators' ``verifier.name_or_path``: a local target folder's path (its ``from_pretrained``
+    reads the verifier from there), else the name it was loaded by."""
+    path = Path(str(source)).expanduser()
+    return str(path.resolve()) if path.is_dir() else str(target.name)
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    if args.kind == "eagle3" and isinstance(args.draft_vocab, _DefaultDraftVocab):
+        return DEFAULT_DRAFT_VOCAB  # the target's whole vocabulary where it is smaller
+    return int(args.draft_vocab)
+
+
+def _eagle3_layers(
+    ids: tuple[int, ...], target: Any, settings: TrainSettings, spec: DataSpec
+) -> tuple[TrainSettings, DataSpec]:
+    """The aux layers (``--aux-layers``, an ``--init-from`` drafter's, or speculators' default for the
+    target's depth) in the settings, and their raw taps in the data: cached sorted, so a drafter
+    reading the same layers in another order shares the store."""
+    if not ids and settings.init_from:
+        ids = load_for_target(settings.init_from, target).config.aux_layer_ids
+    layers = aux_layers_for(int(target.config.num_hidden_layers), ids)
+    return replace(settings, aux_layers=layers), replace(
+        spec, feature_layers=tuple(sorted(layers)), raw_taps=True
+    )
+
+
+def _layer_list(text: str, flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise VerispecError(f"--feature-layers takes a comma list of layer indices, got {text!r}") from None
+        raise VerispecError(f"{flag} takes a comma list of layer indices, got {text!r}") from None
 
 
 def _training_record(
@@ -364,8 +459,7 @@ def _distilled_record(path: Path) -> dict[str, Any]:
     }
 
 
-def _summary(kind: str, out: Path, record: dict[str, Any]) -> str:
-    width = record["settings"]["tree_width"] or DEFAULT_TREE[kind]["width"]
+def _summary(kind: str, out: Path, record: dict[str, Any], width: int) -> str:
     lines = [f"{kind} heads written to {out} ({record['steps']} steps, {record['seconds']:.0f} s training)"]
     lines.append(f"held-out accuracy vs the target's greedy token (depth: top-1 / top-{width}):")
     for row in record["heldout_accuracy"]:
