@@ -337,7 +337,7 @@ def train_eagle3(
     progress: bool = True,
 ) -> tuple[Eagle3Drafter, dict[str, Any]]:
     """Fit an EAGLE-3 drafter reading ``settings.aux_layers`` (``data`` must hold their raw taps);
-    returns it (eval mode, ready for :func:`~verispec.heads.speculators_io.save_speculators`) and a
+    returns it (eval mode, ready for :func:`~verispec.heads.speculators_save.save_speculators`) and a
     report with held-out accuracy per depth. With ``init_from`` it goes on from a saved EAGLE-3
     drafter, whose sizes and draft vocabulary it keeps."""
     torch.manual_seed(settings.seed)

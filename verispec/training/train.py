@@ -13,7 +13,7 @@
 
 ``eagle3`` trains an EAGLE-3 drafter (:mod:`verispec.training.eagle3`) on the same stages, its store
 keeping the raw residual stream at the input of ``--aux-layers`` (default ``[2, L/2, L-3]``), and
-writes it in speculators' format (:func:`~verispec.heads.speculators_io.save_speculators`:
+writes it in speculators' format (:func:`~verispec.heads.speculators_save.save_speculators`:
 ``config.json`` + ``model.safetensors``, what vLLM and speculators load) with the training record,
 held-out accuracy included, as ``training.json`` beside it.
 
