@@ -65,10 +65,11 @@ class KVBuffer:
         if end > self._length or (kept and kept[-1] >= self._length - start):
             raise ValueError(f"cannot keep rows {kept} from {start} in a cache of {self._length}")
         if kept != list(range(len(kept))):  # a tree's path: move its rows next to each other
-            idx = [start + k for k in kept]
+            some = next(iter(self.keys.values()))  # every layer's buffers live on one device
+            idx = torch.tensor([start + k for k in kept], device=some.device)
             for store in (self.keys, self.values):
                 for buf in store.values():
-                    buf[:, start:end] = buf.index_select(1, torch.tensor(idx, device=buf.device))
+                    buf[:, start:end] = buf.index_select(1, idx)
         self._length = end
 
     def clone(self) -> KVBuffer:
