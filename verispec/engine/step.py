@@ -216,7 +216,7 @@ class Step:
 
     @property
     def _raw_features(self) -> bool:
-        return bool(getattr(self.proposer, "raw_features", False))
+        return self.proposer.raw_features if self.proposer is not None else False
 
 
 @dataclass(frozen=True)

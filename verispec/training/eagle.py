@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from verispec.heads.eagle import EagleDrafter, unrolled_masks
 from verispec.heads.vocab import VocabHead
 from verispec.training.config import TrainSettings
-from verispec.training.tokens import IGNORE, TokenData
+from verispec.training.tokens import IGNORE, TokenData, accuracy_rows
 
 
 @dataclass
@@ -134,11 +134,7 @@ def evaluate_eagle(
             hits[d, 0] += (top[:, 0] == want).sum()
             hits[d, 1] += (top == want[:, None]).any(-1).sum()
             count[d] += counts.sum()
-    return [
-        {"depth": d + 1, "top1": float(hits[d, 0] / count[d]), f"top{width}": float(hits[d, 1] / count[d]),
-         "positions": int(count[d])}
-        for d in range(depths)
-    ]  # fmt: skip
+    return accuracy_rows(hits, count, width)
 
 
 def length_batches(

@@ -64,7 +64,7 @@ from verispec.heads.vocab import VocabHead, float_lm_head_weight
 from verispec.training.config import TrainSettings
 from verispec.training.eagle import length_batches, pair_positions
 from verispec.training.loop import fit
-from verispec.training.tokens import TokenData
+from verispec.training.tokens import TokenData, accuracy_rows
 
 DEFAULT_DRAFT_VOCAB = 32000
 """speculators' default ``draft_vocab_size`` (and the EAGLE-3 authors' for Llama 3)."""
@@ -316,12 +316,7 @@ def evaluate_eagle3(
             hits[s, 0] += (top[:, 0] == want).sum()
             hits[s, 1] += (top == want[:, None]).any(-1).sum()
             count[s] += rows.sum()
-    share = hits / count.clamp_min(1)[:, None]
-    return [
-        {"depth": s + 1, "top1": float(share[s, 0]), f"top{width}": float(share[s, 1]),
-         "positions": int(count[s])}
-        for s in range(depths)
-    ]  # fmt: skip
+    return accuracy_rows(hits, count, width)
 
 
 # ----------------------------------------------------------------------------- training and saving

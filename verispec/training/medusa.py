@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from verispec.heads.medusa import MedusaHeads
 from verispec.heads.vocab import VocabHead
-from verispec.training.tokens import IGNORE, TokenData
+from verispec.training.tokens import IGNORE, TokenData, accuracy_rows
 
 
 def medusa_loss(
@@ -93,8 +93,4 @@ def evaluate_medusa(
         hits[:, 0] += ((top[..., 0] == want) & valid).sum(0)
         hits[:, 1] += ((top == want[..., None]).any(-1) & valid).sum(0)
         count += valid.sum(0)
-    return [
-        {"depth": i + 1, "top1": float(hits[i, 0] / count[i]), f"top{width}": float(hits[i, 1] / count[i]),
-         "positions": int(count[i])}
-        for i in range(k)
-    ]  # fmt: skip
+    return accuracy_rows(hits, count, width)

@@ -144,3 +144,14 @@ class TokenData:
             return None, 1.0
         top = counts.topk(n)
         return top.indices, float(top.values.sum() / counts.sum().clamp_min(1))
+
+
+def accuracy_rows(hits: torch.Tensor, count: torch.Tensor, width: int) -> list[dict[str, float]]:
+    """The accuracy table every drafter's evaluation returns, one row per depth (or head) from its
+    top-1 and top-``width`` ``hits [D, 2]`` over ``count [D]`` positions (a depth without any: 0)."""
+    share = hits / count.clamp_min(1)[:, None]
+    return [
+        {"depth": d + 1, "top1": float(share[d, 0]), f"top{width}": float(share[d, 1]),
+         "positions": int(count[d])}
+        for d in range(count.numel())
+    ]  # fmt: skip
