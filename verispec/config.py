@@ -21,7 +21,20 @@ from verispec.errors import ConfigError
 
 T = TypeVar("T")
 
-Method = Literal["draft", "ngram", "medusa", "eagle", "eagle3", "medusa+ngram", "eagle+ngram", "eagle3+ngram"]
+Method = Literal[
+    "draft",
+    "ngram",
+    "suffix",
+    "medusa",
+    "eagle",
+    "eagle3",
+    "medusa+ngram",
+    "eagle+ngram",
+    "eagle3+ngram",
+    "medusa+suffix",
+    "eagle+suffix",
+    "eagle3+suffix",
+]
 """Speculation methods with a registered proposer; ``None`` in :class:`SpecConfig` means plain decoding."""
 
 METHODS: tuple[str, ...] = get_args(Method)
@@ -64,6 +77,10 @@ NAMES: dict[str, Name] = {
     ),
     "NgramConfig.max_ngram": Name("ngram_max"),
     "NgramConfig.min_ngram": Name("ngram_min"),
+    "SuffixConfig.max_pattern": Name("suffix_max_pattern"),
+    "SuffixConfig.min_prob": Name("suffix_min_prob"),
+    "SuffixConfig.spec_factor": Name("suffix_spec_factor"),
+    "SuffixConfig.cache_tokens": Name("suffix_cache_tokens"),
     "DraftModelConfig.model": Name("draft"),
     "DraftModelConfig.p_min": Name("draft_p_min"),
 }
@@ -231,6 +248,23 @@ class NgramConfig(_Checked):
 
 
 @dataclass(frozen=True)
+class SuffixConfig(_Checked):
+    """Suffix decoding: a tree of what followed the context's tail in this request and in earlier
+    outputs of its cache scope (see :mod:`verispec.proposers.suffix`)."""
+
+    max_pattern: int = bounded(24, ge=1, le=256)
+    """Longest tail of the context, in tokens, that suffix decoding matches (longer is more specific)."""
+    min_prob: float = bounded(0.1, gt=0, le=1)
+    """Draft a tree node only if at least this share of the matched occurrences continue with its path."""
+    spec_factor: float = bounded(1.0, gt=0)
+    """Most draft tokens per matched token: a match of m tokens proposes at most ceil(factor * m)
+    (a short match is weak evidence), and never more than k deep."""
+    cache_tokens: int = bounded(1_000_000, ge=2)
+    """Tokens of earlier requests' outputs kept for suffix decoding, all cache scopes together (50 to
+    60 bytes each); the oldest outputs are dropped first. Requests without a cache scope use none."""
+
+
+@dataclass(frozen=True)
 class DraftModelConfig(_Checked):
     """A separate, smaller draft model sharing the target's tokenizer."""
 
@@ -248,15 +282,18 @@ class SpecConfig(_Checked):
     """What to speculate with and how deep."""
 
     method: Method | None = None
-    """How to draft: draft (a draft model), ngram (prompt lookup), medusa or eagle (trained heads),
-    eagle3 (an EAGLE-3 drafter in the speculators or research format, ``heads`` its folder), or
-    heads plus prompt lookup (medusa+ngram, eagle+ngram, eagle3+ngram); None decodes plainly (``none`` on the
-    command line and in ``verispec.load``). Asking for ``auto`` lets
+    """How to draft: draft (a draft model), ngram (prompt lookup), suffix (suffix decoding: this
+    request's text and its cache scope's earlier outputs), medusa or eagle (trained heads), eagle3
+    (an EAGLE-3 drafter in the speculators or research format, ``heads`` its folder), heads plus
+    prompt lookup (medusa+ngram, eagle+ngram, eagle3+ngram) or heads plus suffix decoding
+    (medusa+suffix, eagle+suffix, eagle3+suffix); None decodes plainly (``none`` on the command line
+    and in ``verispec.load``). Asking for ``auto`` lets
     :func:`verispec.api.default_method` pick for the target: draft with a draft model, else
     eagle+ngram where EAGLE heads are shipped or given, else ngram."""
     num_speculative_tokens: int = bounded(5, ge=1, le=MAX_SPECULATIVE_TOKENS)
     """k: the most draft tokens proposed per sequence and step."""
     ngram: NgramConfig = field(default_factory=NgramConfig)
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)
     draft: DraftModelConfig = field(default_factory=DraftModelConfig)
     depth: DepthPolicyName = "adaptive"
     """adaptive: k per sequence and step, up to num_speculative_tokens, from measured costs and the
@@ -317,6 +354,11 @@ class SchedulerConfig(_Checked):
     max_waiting: int = bounded(64, ge=1)
     """Requests allowed to wait behind a full batch; beyond it a request is refused (HTTP 429 with
     Retry-After). Requests that free batch slots will take at the next step do not count."""
+    prefix_cache_gb: float = bounded(2.0, ge=0)
+    """Memory for the prefix cache, in GB (1e9 bytes): the keys and values of earlier requests that a
+    later request starting with the same tokens, in the same cache scope, reuses instead of
+    recomputing (a chat's earlier turns, a shared system prompt); least recently used blocks go
+    first. 0 turns it off. Kept only where reuse is exact (GGUF and int8 weights on CPU)."""
     prefill_chunk: int = bounded(512, ge=1)
     """Prompt tokens fed per step: a long prompt is prefilled over several steps, so the running
     sequences keep producing tokens meanwhile."""

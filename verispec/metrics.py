@@ -29,6 +29,8 @@ class SpecStats:
     num_output_tokens: int = 0
     """Tokens returned to the caller."""
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -49,6 +51,7 @@ class SpecStats:
             drafted_at=at("drafted_at"),
             accepted_at=at("accepted_at"),
             prompt_tokens=max((p.prompt_tokens for p in parts), default=0),
+            cached_prompt_tokens=max((p.cached_prompt_tokens for p in parts), default=0),
         )
         for name in ("num_steps", "num_committed", "num_drafted", "num_accepted", "num_output_tokens"):
             setattr(out, name, sum(getattr(p, name) for p in parts))
@@ -95,6 +98,7 @@ class SpecStats:
         return {
             "output_tokens": self.num_output_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "target_forward_passes": self.num_steps,
             "drafted": self.num_drafted,
             "accepted": self.num_accepted,

@@ -164,7 +164,7 @@ def plain(doc: str) -> str:
 SPEC_FLAGS = names_of(SpecConfig)
 LOAD_FLAGS = names_of(ModelLoadConfig)
 SAMPLING_FLAGS = names_of(SamplingConfig)
-SCHEDULER_FLAGS = ("max_batch_size", "max_waiting")
+SCHEDULER_FLAGS = ("max_batch_size", "max_waiting", "prefix_cache_gb")
 """``prefill_chunk`` stays the engine's: it trades latency within a step, not anything a user sets."""
 LOAD_SETTINGS = (*SPEC_FLAGS, *LOAD_FLAGS, *SCHEDULER_FLAGS)
 """The settings ``verispec.load`` takes as keywords, besides ``target``."""

@@ -31,7 +31,8 @@ from verispec.heads.io import SHIPPED_DIR
 
 TOP_LEVEL = {
     "schema", "created", "command", "machine", "versions", "git_commit", "settings", "models",
-    "contenders", "skipped", "lossless", "wall_seconds", "resumed_records", "failed", "summary", "records",
+    "contenders", "skipped", "lossless", "wall_seconds", "resumed_records", "failed", "summary", "turns",
+    "records",
 }  # fmt: skip
 MACHINE = {
     "cpu", "isa", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end",
@@ -41,13 +42,13 @@ SETTINGS = {
     "target", "draft", "methods", "baselines", "num_speculative_tokens", "depth", "ngram", "heads",
     "tree_nodes", "tree_width", "prompt_lookup_tokens", "datasets", "categories", "limit_per_category",
     "seed", "data_dir", "max_new_tokens", "warmup", "json_schema", "load", "categories_by_dataset",
-    "warmup_prompt", "decoding",
+    "warmup_prompt", "decoding", "cache_scope",
 }  # fmt: skip
 RECORD = {
     "method", "dataset", "category", "prompt_id", "turns", "reference", "matches_reference", "first_mismatch",
     "error", "output_tokens", "seconds", "tokens_per_second",
 }  # fmt: skip
-TURN = {"prompt_tokens", "token_ids", "seconds", "counts", "text"}
+TURN = {"prompt_tokens", "token_ids", "seconds", "counts", "text", "ttft", "cached_prompt_tokens"}
 COUNTS = {
     "target_forward_passes", "committed", "drafted", "accepted", "drafted_at", "accepted_at",
     "draft_seconds", "verify_seconds",

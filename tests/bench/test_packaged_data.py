@@ -15,7 +15,7 @@ import pytest
 import verispec
 from tests.conftest import needs_smollm2
 from verispec.cli import main
-from verispec.data import DATASETS, DatasetName, dataset_dir, packaged_data_dir
+from verispec.data import SHIPPED, ShippedName, dataset_dir, packaged_data_dir
 from verispec.errors import VerispecError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ UPSTREAM_SHA256 = {
 }
 """The checksums of the files as their projects publish them (each folder's README names the commit)."""
 
-LICENSES: dict[DatasetName, str] = {
+LICENSES: dict[ShippedName, str] = {
     "spec_bench": "Apache License",
     "mt_bench": "Apache License",
     "humaneval": "MIT License",
@@ -38,7 +38,7 @@ def test_each_dataset_is_upstreams_file_unchanged_with_its_license_and_source() 
     """Shipping third-party prompts needs their license beside them, and the README's checksum is
     only worth something while the file is the one it describes."""
     assert {p.name for p in packaged_data_dir().iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
-        DATASETS
+        SHIPPED
     )
     for name, sha in UPSTREAM_SHA256.items():
         path = packaged_data_dir() / name

@@ -1,6 +1,7 @@
 """eagle+ngram and medusa+ngram: grafting prompt lookup's continuation onto a heads tree keeps the
 tree valid and verification exact (greedy equality, chi-square), and the lookup branch is drafted,
-scored from its own record and accepted where the heads alone are not."""
+scored from its own record and accepted where the heads alone are not. eagle+suffix and
+medusa+suffix: the heads' tree merged with suffix decoding's, scope and release reaching both."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 import pytest
 import torch
 
+import verispec
+from tests.conftest import needs_smollm2
 from tests.proposers.heads_checks import PROMPTS, SAMPLINGS, assert_trees_sample_the_target, plain_outputs
 from tests.proposers.test_eagle import eagle_proposer
 from tests.training.tiny import trained
@@ -20,9 +23,10 @@ from verispec.heads.io import save_heads
 from verispec.models.hf import HFCausalLM
 from verispec.proposers import build_proposer
 from verispec.proposers.eagle import EagleProposer
-from verispec.proposers.hybrid import HybridProposer, graft
+from verispec.proposers.hybrid import HybridProposer, SuffixHybridProposer, graft, merge
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
+from verispec.proposers.suffix import SuffixProposer
 from verispec.types import Draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,3 +167,71 @@ def test_hybrid_engine_samples_the_target_distribution(small_vocab_target, prefi
     proposer.lookup.propose = counted  # type: ignore[method-assign]
     assert_trees_sample_the_target(engine, prefix_logits, sampling)
     assert sum(k > 0 for k in chains) > 500 and sum(k > 1 for k in chains) > 200, "lookup hardly drafted"
+
+
+# ------------------------------------------------------------------------------------ +suffix
+
+
+def test_merge_keeps_the_higher_score_of_shared_nodes_and_sorts_best_first():
+    heads = scored_tree([7, 8, 9], [-1, 0, -1], [0.6, 0.3, 0.2])
+    suffix = scored_tree([7, 5, 8], [-1, 0, 0], [0.8, 0.5, 0.4])
+    merged = merge(heads, suffix)
+    assert as_paths(merged) == {(7,): 0.8, (7, 5): 0.5, (7, 8): 0.4, (9,): 0.2}
+    assert merged.tokens.tolist() == [7, 5, 8, 9] and merged.parents.tolist() == [-1, 0, 0, -1]
+    assert merge(heads, Draft.empty()) is heads
+    assert as_paths(merge(Draft.empty(), suffix)) == as_paths(suffix)
+    with pytest.raises(TypeError, match="scored tree"):
+        merge(heads, Draft.chain(torch.tensor([1, 2])))
+
+
+def test_a_suffix_hybrid_forwards_scope_and_release_and_sizes_for_both(tiny_target):
+    drafter, _, _ = trained(tiny_target, "eagle")
+    spec = SpecConfig(method="eagle+suffix", num_speculative_tokens=4, depth="fixed")
+    heads = eagle_proposer(tiny_target, drafter, nodes=6, width=2)
+    proposer = SuffixHybridProposer(heads, SuffixProposer(spec))
+    assert proposer.name == "eagle+suffix" and proposer.drafts_trees and proposer.needs_hidden
+    assert proposer.max_tree_size(4) == heads.max_tree_size(4) + proposer.suffix.max_tree_size(4)
+    engine = SpecEngine(tiny_target, proposer, spec)
+    want = plain_outputs(tiny_target, PROMPTS, 30)
+    first = [engine.generate(p, max_new_tokens=30, cache_scope="a") for p in PROMPTS]
+    again = [engine.generate(p, max_new_tokens=30, cache_scope="a") for p in PROMPTS]
+    private = [engine.generate(p, max_new_tokens=30, cache_scope=None) for p in PROMPTS]
+    assert (
+        [g.token_ids for g in first] == [g.token_ids for g in again] == [g.token_ids for g in private] == want
+    )
+    assert set(proposer.suffix.cache.scopes) == {"a"}  # released outputs, private ones not kept
+    assert sum(g.stats.num_accepted for g in again) > sum(g.stats.num_accepted for g in first)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_registry_builds_the_suffix_hybrids_from_saved_heads(tmp_path, tiny_target, kind):
+    module, vocab, _ = trained(tiny_target, kind)
+    save_heads(tmp_path / kind, kind, module, identify(tiny_target), vocab)
+    spec = SpecConfig(method=f"{kind}+suffix", heads=str(tmp_path), num_speculative_tokens=3, depth="fixed")
+    proposer = build_proposer(spec, tiny_target, None)
+    assert isinstance(proposer, SuffixHybridProposer) and proposer.name == f"{kind}+suffix"
+    assert isinstance(proposer.heads, {"eagle": EagleProposer, "medusa": MedusaProposer}[kind])
+    got = SpecEngine(tiny_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=20)
+    assert [g.token_ids for g in got] == plain_outputs(tiny_target, PROMPTS, 20)
+    assert sum(g.stats.num_accepted for g in got) > 0
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_eagle_plus_suffix_on_smollm2_equals_plain_and_reuses_its_scope_s_output():
+    """The shipped SmolLM2 EAGLE heads with suffix decoding: greedy output equals plain decoding,
+    drafts are accepted, and a repeated request in the same scope accepts more than the first."""
+    engine = verispec.load(
+        "smollm2-135m-instruct", method="eagle+suffix", num_speculative_tokens=6, depth="fixed"
+    )
+    prompt = engine.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses the words of a sentence."}]
+    )
+    plain = engine.plain_engine().generate(prompt, max_new_tokens=48)
+    first = engine.generate(prompt, max_new_tokens=48, cache_scope="a")
+    again = engine.generate(prompt, max_new_tokens=48, cache_scope="a")
+    assert first.token_ids == again.token_ids == plain.token_ids
+    assert first.stats.num_accepted > 0
+    assert (
+        again.stats.num_accepted > first.stats.num_accepted and again.stats.num_steps < first.stats.num_steps
+    )

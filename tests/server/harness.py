@@ -22,6 +22,7 @@ import httpx
 import openai
 import torch
 import uvicorn
+from fastapi import FastAPI
 from transformers import PreTrainedTokenizerFast
 
 from tests.conftest import make_engine, perturbed, tiny_llama
@@ -85,9 +86,11 @@ class LiveServer:
     name: str
     async_engine: AsyncEngine
     metrics: ServerMetrics
+    app: FastAPI
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    def client(self, api_key: str = "unused", **options: Any) -> openai.OpenAI:
+        """An openai client of this server (``api_key``: sent as ``Authorization: Bearer``)."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60, **options)
 
     def on_engine(self, fn: Callable[[SpecEngine], T], timeout: float = 30) -> T:
         """``fn(engine)`` on the engine thread, between steps."""
@@ -135,7 +138,7 @@ def live_server(engine: SpecEngine, name: str = "tiny", **app_options: Any) -> I
                 raise RuntimeError("the test server did not start")
             time.sleep(0.01)
         port = sock.getsockname()[1]
-        yield LiveServer(f"http://127.0.0.1:{port}", name, async_engine, metrics)
+        yield LiveServer(f"http://127.0.0.1:{port}", name, async_engine, metrics, app)
     finally:
         server.should_exit = True
         thread.join(timeout=15)
@@ -145,10 +148,11 @@ def live_server(engine: SpecEngine, name: str = "tiny", **app_options: Any) -> I
 
 
 @contextmanager
-def tiny_server(name: str, k: int) -> Iterator[LiveServer]:
-    """The tiny target drafted for by its perturbed copy (``k`` tokens a step), served as ``name``."""
+def tiny_server(name: str, k: int, **app_options: Any) -> Iterator[LiveServer]:
+    """The tiny target drafted for by its perturbed copy (``k`` tokens a step), served as ``name``
+    (``app_options``: for :func:`create_app`)."""
     target, draft = tiny_pair()
-    with live_server(make_engine(target, draft, "draft", k=k), name=name) as live:
+    with live_server(make_engine(target, draft, "draft", k=k), name=name, **app_options) as live:
         yield live
 
 

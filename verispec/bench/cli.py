@@ -40,6 +40,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     if subcommand == "plan":
         return run_plan(args)
     runs = {"forward": _forward, "quality": _quality, "serve": _serve, "soak": _soak, "load": _load}
+    runs["suffix-cost"] = _suffix_cost
     return runs.get(subcommand, _bench)(args, command)
 
 
@@ -146,9 +147,11 @@ def _need_http_client() -> None:
 
 def _serve(args: argparse.Namespace, command: str) -> int:
     _need_http_client()
+    if args.api_key:  # the command goes into results.json and report.md; the key must not
+        command = command.replace(args.api_key, "***")
     from verispec.bench.report import text_table
     from verispec.bench.serve import ServeBenchSettings, results_dict, run_serve_bench, write_results
-    from verispec.bench.serve_report import HEADER, report_markdown, table_rows, write_plots
+    from verispec.bench.serve_report import HEADER, report_markdown, table_rows, turn_table, write_plots
 
     settings = _from_flags(
         ServeBenchSettings,
@@ -171,6 +174,11 @@ def _serve(args: argparse.Namespace, command: str) -> int:
     report = args.out / "report.md"
     report.write_text(report_markdown(results_dict(run), summaries, plots))
     print(text_table(table_rows(summaries), HEADER))
+    if settings.all_turns:
+        header, rows = turn_table(summaries)
+        print()
+        print("TTFT by turn (s)")
+        print(text_table(rows, header))
     failed = sum(level.failed for level in run.levels)
     if failed:
         print(f"{failed} request(s) failed: see {results}")
@@ -232,7 +240,14 @@ def _json_schema(arg: str | None) -> dict[str, Any] | None:
 
 def _bench(args: argparse.Namespace, command: str) -> int:
     from verispec.bench.harness import run_bench
-    from verispec.bench.report import table_rows, text_table, write_outputs
+    from verispec.bench.report import (
+        TURN_HEADER,
+        table_rows,
+        text_table,
+        turn_rows,
+        turn_summaries,
+        write_outputs,
+    )
 
     settings = _from_flags(
         BenchSettings,
@@ -260,6 +275,8 @@ def _bench(args: argparse.Namespace, command: str) -> int:
         )
     results, report = write_outputs(run, args.out, plots)
     print(text_table(table_rows(run.summaries)))
+    print()
+    print(text_table(turn_rows(turn_summaries(run.records)), TURN_HEADER))
     for skipped in run.skipped:
         print(f"skipped {skipped.name}: {skipped.reason}")
     mismatches = sum(1 for r in run.records if r.matches_reference is False)
@@ -311,6 +328,12 @@ def _load(args: argparse.Namespace, command: str) -> int:
         print(costs)
     print(f"wrote {path}", file=sys.stderr)
     return 0 if all(side.status != "failed" for side in sides) else 1
+
+
+def _suffix_cost(args: argparse.Namespace, command: str) -> int:
+    from verispec.bench.suffix_cost import run as run_suffix_cost
+
+    return run_suffix_cost(args, command)
 
 
 def _forward(args: argparse.Namespace, command: str) -> int:

@@ -1,14 +1,20 @@
-"""The evaluation prompt sets: Spec-Bench, MT-bench and HumanEval, read from the packaged data.
+"""The evaluation prompt sets: Spec-Bench, MT-bench and HumanEval, read from the packaged data, and
+the workloads generated from them (``code_edit``, ``tool_calls``, ``mt_bench_6turn``:
+:mod:`verispec.bench.workloads`).
 
 Each prompt is a :class:`BenchPrompt`. A chat prompt is a list of user turns: turn ``i + 1`` is sent
 after the model's own answer to turn ``i`` has been added to the conversation, so the answers are
-generated, never read from the file. HumanEval is raw code completion (``chat=False``, one turn:
-the function signature and docstring).
+generated, never read from the file. A workload may put a system message first and, between an
+answer and the next user turn, messages made from that answer (``tool_calls``: the tool's result);
+:meth:`BenchPrompt.before_turn` is the one place both the offline and the served benchmark build a
+conversation from. HumanEval is raw code completion (``chat=False``, one turn: the function
+signature and docstring).
 
 Categories. Spec-Bench reports six tasks, and :func:`load_dataset` uses those as its categories:
 ``mt_bench`` (its 80 two-turn rows, whose ``category`` field in the file is one of MT-bench's
 eight), ``translation``, ``summarization``, ``qa``, ``math_reasoning`` and ``rag``. MT-bench keeps
-its own eight categories; HumanEval has one, ``code``.
+its own eight categories; HumanEval has one, ``code``. ``mt_bench_6turn`` keeps MT-bench's;
+``code_edit`` and ``tool_calls`` have one each, named after them.
 
 Selection is deterministic: filters keep file order, ``limit_per_category`` takes the first N rows
 of each category and ``limit`` the first N of what remains. Nothing is shuffled or hand-picked.
@@ -27,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from verispec.data import DATASETS, DatasetName, packaged_data_dir
+from verispec.data import DATASETS, WORKLOADS, DatasetName, packaged_data_dir
 from verispec.errors import VerispecError
 
 DATA_DIR_ENV = "VERISPEC_DATA_DIR"
@@ -48,8 +54,18 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
     "spec_bench": SPEC_BENCH_TASKS,
     "mt_bench": MT_BENCH_CATEGORIES,
     "humaneval": ("code",),
+    "code_edit": ("code_edit",),
+    "tool_calls": ("tool_calls",),
+    "mt_bench_6turn": MT_BENCH_CATEGORIES,
 }
 """The valid categories of each dataset, in the order they appear in the file."""
+
+CONVERSATIONS = frozenset(WORKLOADS)
+"""Datasets made to be run turn by turn: ``bench serve`` sends every turn of theirs by default, and
+only the first turn of the others (as it always has)."""
+
+Message = dict[str, str]
+"""A chat message, ``{"role": ..., "content": ...}``."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,26 @@ class BenchPrompt:
     id: str
     turns: list[str]
     chat: bool
+    system: str | None = None
+    """A system message before the first turn (``tool_calls``: the tools); None leaves the
+    template's default."""
+    feedback: Callable[[str], list[Message]] | None = None
+    """The messages a conversation gets after the model's answer to a turn and before the next user
+    turn, made from that answer alone (``tool_calls``: the tool's result), so equal answers give
+    equal conversations; None: nothing in between."""
+
+    def before_turn(self, index: int, answer: str | None = None) -> list[Message]:
+        """The messages that come before user turn ``index`` (0-based): before the first, the system
+        message, if any; before a later one, the model's ``answer`` to the previous turn as the
+        assistant's message and the feedback on it."""
+        if index == 0:
+            return [{"role": "system", "content": self.system}] if self.system is not None else []
+        if answer is None:
+            raise ValueError(f"turn {index} of {self.dataset} {self.id} needs the answer to turn {index - 1}")
+        messages = [{"role": "assistant", "content": answer}]
+        if self.feedback is not None:
+            messages += self.feedback(answer)
+        return messages
 
 
 def default_data_dir() -> Path:
@@ -105,7 +141,7 @@ def load_dataset(
     if not root.is_dir():
         raise VerispecError(
             f"benchmark data folder {root} does not exist; pass --data-dir (or set ${DATA_DIR_ENV}) "
-            "to the folder holding spec_bench/, mt_bench/ and humaneval/"
+            "to the folder holding spec_bench/, mt_bench/ and humaneval/ (the workloads are made from them)"
         )
 
     rows = list(_READERS[name](root))
@@ -125,7 +161,7 @@ def load_dataset(
     return prompts
 
 
-def _read_jsonl(path: Path) -> Iterator[dict]:
+def read_jsonl(path: Path) -> Iterator[dict]:
     if not path.is_file():
         raise VerispecError(f"benchmark file {path} is missing; check --data-dir")
     opener = gzip.open if path.suffix == ".gz" else open
@@ -140,7 +176,7 @@ def _read_jsonl(path: Path) -> Iterator[dict]:
 
 
 def _chat_rows(dataset: str, path: Path, category_of: Callable[[str], str]) -> Iterator[BenchPrompt]:
-    for row in _read_jsonl(path):
+    for row in read_jsonl(path):
         category = category_of(row["category"])
         if category not in CATEGORIES[dataset]:
             raise VerispecError(f"{path}: question {row['question_id']} has unknown category {category!r}")
@@ -166,14 +202,26 @@ def _mt_bench(root: Path) -> Iterator[BenchPrompt]:
 
 
 def _humaneval(root: Path) -> Iterator[BenchPrompt]:
-    for row in _read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz"):
+    for row in read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz"):
         yield BenchPrompt(
             dataset="humaneval", category="code", id=row["task_id"], turns=[row["prompt"]], chat=False
         )
+
+
+def _workload(name: str) -> Callable[[Path], Iterator[BenchPrompt]]:
+    """The reader of workload ``name``, imported when first used (the workloads import this module)."""
+
+    def read(root: Path) -> Iterator[BenchPrompt]:
+        from verispec.bench import workloads
+
+        return workloads.READERS[name](root)
+
+    return read
 
 
 _READERS: dict[str, Callable[[Path], Iterator[BenchPrompt]]] = {
     "spec_bench": _spec_bench,
     "mt_bench": _mt_bench,
     "humaneval": _humaneval,
+    **{name: _workload(name) for name in WORKLOADS},
 }

@@ -1,5 +1,5 @@
 """The flags of ``verispec bench`` and its subcommands (``forward``, ``quality``, ``serve``, ``soak``,
-``load``, ``plan``), kept apart from :mod:`verispec.bench.cli`, which runs them.
+``load``, ``plan``, ``suffix-cost``), kept apart from :mod:`verispec.bench.cli`, which runs them.
 
 The speculation and load flags come from the settings' one definition (:mod:`verispec.settings`);
 what is here is the bench's own: prompt sets, baselines, sweeps and output folders.
@@ -8,11 +8,13 @@ what is here is the bench's own: prompt sets, baselines, sweeps and output folde
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from pathlib import Path
 
 from verispec.bench.datasets import DATASETS
-from verispec.bench.settings import BASELINES, PLAIN, BenchSettings
+from verispec.bench.settings import BASELINES, CACHE_SCOPES, PLAIN, SERVE_METHODS, BenchSettings
+from verispec.bench.suffix_cost import add_suffix_cost_parser
 from verispec.config import METHODS
 from verispec.settings import add_flags, add_load_flags, add_target_flag, setting
 
@@ -100,6 +102,13 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per turn")
     bench.add_argument("--warmup", type=int, default=1, help="untimed generations per method before timing")
     bench.add_argument(
+        "--cache-scope",
+        default="shared",
+        choices=CACHE_SCOPES,
+        help="shared: each method's requests share one cache scope, so earlier prompts and turns can "
+        "be reused (prompt KV, outputs to draft from); private: nothing is reused across requests",
+    )
+    bench.add_argument(
         "--prompt-lookup-tokens",
         type=int,
         default=10,
@@ -112,7 +121,9 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
         "and measure only the rest",
     )
 
-    steps = bench.add_subparsers(dest="bench_command", metavar="{forward,load,plan,quality,serve,soak}")
+    steps = bench.add_subparsers(
+        dest="bench_command", metavar="{forward,load,plan,quality,serve,soak,suffix-cost}"
+    )
     forward = steps.add_parser(
         "forward",
         help="time one forward pass appending k tokens to a KV cache (the verify-cost curve)",
@@ -178,6 +189,7 @@ def add_parser(sub: argparse._SubParsersAction, default_target: str) -> None:
     _add_serve_parser(steps, default_target)
     _add_soak_parser(steps, default_target)
     _add_load_parser(steps)
+    add_suffix_cost_parser(steps)
 
 
 def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, out: str) -> None:
@@ -194,7 +206,7 @@ def _served_bench_flags(parser: argparse.ArgumentParser, default_target: str, ou
         "--dataset",
         default="spec_bench",
         choices=DATASETS,
-        help="prompt set (a chat prompt's first turn is sent)",
+        help="prompt set (bench serve: see --turns; bench soak sends a chat prompt's first turn)",
     )
     parser.add_argument("--categories", type=_csv, default=None, help="comma list of categories to keep")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt order")
@@ -254,12 +266,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction, default_target: str) -> N
         "serve",
         help="throughput, TTFT and per-user tok/s of `verispec serve` under 1..N users, per depth policy",
         description="For each policy, start `verispec serve` in a separate process on a free loopback port "
-        "(plain = --method none; fixed and adaptive = --depth-policy with -k), warm it up, and send "
-        "--requests-per-level streaming greedy requests from each number of concurrent users in "
-        "--concurrency. Writes results.json, report.md, PNG plots and the servers' logs to --out.",
+        "(plain = --method none; fixed and adaptive = --depth-policy with -k), warm it up, and run "
+        "--requests-per-level conversations (a streaming greedy request per turn; see --turns) from each "
+        "number of concurrent users in --concurrency. Writes results.json, report.md, PNG plots and the "
+        "servers' logs to --out.",
     )
     _served_bench_flags(serve, default_target, "results/serve")
-    serve.add_argument("--method", default=None, choices=["ngram", "draft"], help="default: draft if --draft")
+    serve.add_argument(
+        "--method", default=None, choices=list(SERVE_METHODS), help="default: draft if --draft, else ngram"
+    )
     serve.add_argument(
         "--policies",
         type=_csv,
@@ -273,7 +288,29 @@ def _add_serve_parser(sub: argparse._SubParsersAction, default_target: str) -> N
         "--requests-per-level",
         type=int,
         default=None,
-        help="requests sent at each level (default: max(12, 2 x users))",
+        help="conversations run at each level, a request per turn sent (default: max(12, 2 x users))",
+    )
+    serve.add_argument(
+        "--turns",
+        default=None,
+        choices=["all", "first"],
+        help="all: each user runs its conversation turn by turn, each turn a request with the whole "
+        "history; first: a prompt's first turn only (default: all for code_edit, tool_calls and "
+        "mt_bench_6turn, first for the others)",
+    )
+    serve.add_argument(
+        "--cache-scope",
+        default="shared",
+        choices=["shared", "private"],
+        help="shared: the requests of a level share cached prompts and outputs (servers without a key "
+        "start with --shared-cache); private: nothing is reused across requests",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("VERISPEC_API_KEY") or None,
+        metavar="KEY",
+        help="send this API key (Authorization: Bearer) and start the servers requiring it, through "
+        "their environment (default: $VERISPEC_API_KEY); its requests share the key's cache scope",
     )
     serve.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
     serve.add_argument(

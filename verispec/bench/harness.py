@@ -10,8 +10,16 @@ prompt (every contender on prompt 1, then on prompt 2, ...), so a slow phase of 
 hits all of them alike instead of whichever method happened to run then.
 
 Multi-turn prompts: each contender answers turn 1, its own answer is appended as the assistant
-message, then it answers turn 2; both turns are timed. The lossless check compares the tokens of all
-turns with the reference's.
+message (with what a workload adds after it, e.g. a tool's result), then it answers turn 2; every
+turn is timed, with its time to first token (verispec's methods: from submitting the turn to its
+first streamed token). The lossless check compares the tokens of all turns with the reference's.
+
+Cross-request reuse: with ``--cache-scope shared`` (the default) every request of a contender
+carries that contender's cache scope, so a later prompt or turn may reuse what earlier ones left (a
+prefix KV cache, earlier outputs to draft from), as the requests of one user of a deployment do;
+contenders never share a scope, and all of them see the same prompts in the same order. ``private``
+sends no scope: nothing is reused across requests. Warm-up generations are always private, so
+timing starts from an empty scope.
 
 Long runs: every finished record is appended to ``<out>/records.jsonl`` at once, and ``resume``
 skips the (method, prompt) pairs already there, so an interrupted run continues in a later process.
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean
@@ -34,11 +42,11 @@ from tqdm import tqdm
 
 from verispec.bench import environment
 from verispec.bench.aggregate import Summary, summarize
-from verispec.bench.contenders import Contender, Skipped, engine_contenders
+from verispec.bench.contenders import Contender, EngineContender, Skipped, engine_contenders
 from verispec.bench.datasets import BenchPrompt, load_dataset
 from verispec.bench.hf_baselines import HF_BASELINES, hf_contender
 from verispec.bench.llamacpp_baselines import llamacpp_contender
-from verispec.bench.records import RECORDS_FILE, PromptRecord, RecordLog, Turn
+from verispec.bench.records import RECORDS_FILE, PromptRecord, RecordLog, SpecCounts, Turn
 from verispec.bench.settings import WARMUP_PROMPT, BenchSettings
 from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
@@ -146,7 +154,8 @@ def run_bench(
             c for c in contenders if any((c.name, p.dataset, p.category, p.id) not in done for p in prompts)
         ]
         warm_up(todo, prompter, settings)
-        new = measure(contenders, prompts, prompter, settings.max_new_tokens, progress, log, done)
+        scopes = {c.name: settings.scope_of(c.name) for c in contenders}
+        new = measure(contenders, prompts, prompter, settings.max_new_tokens, progress, log, done, scopes)
     finally:
         if log is not None:
             log.close()
@@ -176,7 +185,8 @@ def run_bench(
 
 
 def warm_up(contenders: list[Contender], prompter: Prompter, settings: BenchSettings) -> None:
-    """Untimed generations of the fixed warm-up prompt, so timing starts on warm caches and kernels."""
+    """Untimed generations of the fixed warm-up prompt, so timing starts on warm kernels; private
+    (no cache scope), so they leave nothing a timed prompt could reuse."""
     for contender in contenders:
         for _ in range(settings.warmup):
             warm = run_prompt(contender, prompter, _warmup_prompt(prompter), settings.max_new_tokens)
@@ -250,9 +260,14 @@ class Prompter:
 
 
 def run_prompt(
-    contender: Contender, prompter: Prompter, prompt: BenchPrompt, max_new_tokens: int
+    contender: Contender,
+    prompter: Prompter,
+    prompt: BenchPrompt,
+    max_new_tokens: int,
+    cache_scope: str | None = None,
 ) -> PromptRecord:
-    """Every turn of ``prompt``, each answered after the contender's own previous answers.
+    """Every turn of ``prompt``, each answered after the contender's own previous answers, every
+    request in ``cache_scope`` (None: private).
 
     A :class:`VerispecError` (the user's data or settings, e.g. a prompt longer than the context)
     ends this prompt only: the record keeps the turns done and the message, and the run goes on.
@@ -260,13 +275,15 @@ def run_prompt(
     history: list[dict[str, str]] = []
     turns: list[Turn] = []
     error = None
+    answer = None
     try:
-        for user in prompt.turns:
+        for index, user in enumerate(prompt.turns):
+            history += prompt.before_turn(index, answer)
             history.append({"role": "user", "content": prompter.user(user)})
-            turn = contender.generate(prompter.ids(history, prompt.chat), max_new_tokens)
+            ids = prompter.ids(history, prompt.chat)
+            turn = generate_turn(contender, ids, max_new_tokens, cache_scope)
             # The answer's text comes from its token ids alone, so equal outputs give equal next turns.
-            turn.text = prompter.text(turn.token_ids)
-            history.append({"role": "assistant", "content": turn.text})
+            turn.text = answer = prompter.text(turn.token_ids)
             turns.append(turn)
     except VerispecError as exc:
         error = str(exc)
@@ -280,6 +297,40 @@ def run_prompt(
     )
 
 
+def generate_turn(
+    contender: Contender, prompt_ids: list[int], max_new_tokens: int, cache_scope: str | None = None
+) -> Turn:
+    """One timed generation. verispec's methods stream it, for the time to the first token, in
+    ``cache_scope``; the other tools' contenders time the whole call only and have no scope."""
+    if not isinstance(contender, EngineContender):
+        return contender.generate(prompt_ids, max_new_tokens)
+    started = time.perf_counter()
+    first = None
+    events = []
+    stream = contender.engine.stream(
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        structured=contender.structured,
+        cache_scope=cache_scope,
+    )
+    for event in stream:
+        if first is None:
+            first = time.perf_counter() - started
+        events.append(event)
+    seconds = time.perf_counter() - started
+    stats = events[-1].stats
+    assert stats is not None, "the engine's last event carries the generation's stats"
+    return Turn(
+        prompt_tokens=len(prompt_ids),
+        token_ids=[event.token_id for event in events],
+        seconds=seconds,
+        counts=SpecCounts.from_stats(stats),
+        ttft=first,
+        cached_prompt_tokens=getattr(stats, "cached_prompt_tokens", None),
+    )
+
+
 def measure(
     contenders: list[Contender],
     prompts: list[BenchPrompt],
@@ -288,8 +339,10 @@ def measure(
     progress: bool = True,
     log: RecordLog | None = None,
     done: Container[tuple[str, str, str, str]] = (),
+    scopes: Mapping[str, str | None] | None = None,
 ) -> list[PromptRecord]:
     """Time every contender on every prompt, interleaved prompt by prompt; skip the pairs in ``done``.
+    ``scopes`` gives each contender's cache scope by name (none given: private).
 
     Each record goes to ``log`` as soon as it is measured. If the run stops early (an exception,
     Ctrl-C), a note says how much was saved and how to continue.
@@ -306,7 +359,8 @@ def measure(
     try:
         with bar:
             for i, prompt, contender in todo:
-                record = run_prompt(contender, prompter, prompt, max_new_tokens)
+                scope = (scopes or {}).get(contender.name)
+                record = run_prompt(contender, prompter, prompt, max_new_tokens, scope)
                 records.append(record)
                 if log is not None:
                     log.append(record)

@@ -1,10 +1,13 @@
 """Client side of the serving benchmarks: streaming OpenAI requests sent by concurrent users.
 
-A *level* is a closed loop: ``concurrency`` simulated users each send one streaming request, wait
-for its last chunk, and send the next, until ``len(prompts)`` requests are done. Closed-loop load
-(rather than requests at a fixed arrival rate) keeps exactly ``concurrency`` requests in the server
-for most of the level, which is what "batch size" means to the engine; the tail, where fewer are
-left, is why a level should hold several requests per user.
+A *level* is a closed loop: ``concurrency`` simulated users each run one conversation, wait for its
+last chunk, and start the next, until ``len(specs)`` conversations are done. A conversation is one
+request (a prompt's first turn) or, with ``RequestSpec.turns`` > 1, a request per turn, each
+carrying the whole conversation so far (the model's own earlier answers, and what the workload adds
+after them, e.g. a tool's result) as chat clients resend it. Closed-loop load (rather than requests
+at a fixed arrival rate) keeps exactly ``concurrency`` requests in the server for most of the
+level, which is what "batch size" means to the engine; the tail, where fewer are left, is why a
+level should hold several conversations per user.
 
 Times are client-side wall clock (``time.perf_counter``): time to first token counts from sending
 the request to the first chunk that carries a token (an OpenAI stream may open with a role-only
@@ -26,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from verispec.bench.datasets import BenchPrompt
+from verispec.bench.datasets import BenchPrompt, Message
 
 FINISH_REASONS = ("stop", "length")
 """What a request that ran to its end reports (the server maps EOS to ``stop``)."""
@@ -42,6 +45,11 @@ class RequestSpec:
     """Close the connection after this many token chunks (a user who leaves); None reads to the end."""
     speculation: dict[str, Any] | None = None
     """The verispec ``speculation`` extension field, or None to use the server's settings."""
+    turns: int = 1
+    """How many of the prompt's turns to send, one request each, as one conversation."""
+    user: str | None = None
+    """OpenAI's ``user`` field: on a server that shares caches it narrows the cache scope to the
+    requests that name the same user (None: the caller's whole scope)."""
 
 
 @dataclass
@@ -50,6 +58,8 @@ class RequestResult:
 
     prompt_id: str
     category: str
+    turn: int = 1
+    """Which turn of its conversation this request asked (1-based)."""
     ok: bool = False
     """The stream ended with a finish reason and ``[DONE]`` (or the client hung up on purpose)."""
     disconnected: bool = False
@@ -65,6 +75,8 @@ class RequestResult:
     error: str | None = None
     stats: dict[str, Any] | None = None
     """The ``verispec.stats`` of the usage chunk (drafted, accepted, target_forward_passes, ...)."""
+    text: str = field(default="", repr=False)
+    """The streamed answer, which the next turn resends (not written to results)."""
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -80,6 +92,7 @@ class RequestResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["text"]
         out["tokens_per_second"] = self.tokens_per_second
         out["decode_tokens_per_second"] = self.decode_tokens_per_second
         return out
@@ -94,12 +107,20 @@ class LevelRun:
     results: list[RequestResult] = field(default_factory=list)
 
 
-def request_body(spec: RequestSpec, model: str | None = None) -> tuple[str, dict[str, Any]]:
+def first_messages(prompt: BenchPrompt) -> list[Message]:
+    """The messages of a prompt's first request: its system message, if any, and its first turn."""
+    return [*prompt.before_turn(0), {"role": "user", "content": prompt.turns[0]}]
+
+
+def request_body(
+    spec: RequestSpec, model: str | None = None, messages: list[Message] | None = None
+) -> tuple[str, dict[str, Any]]:
     """The endpoint path and JSON body of ``spec``: chat prompts go through the chat template.
 
-    Only a chat prompt's first user turn is sent: later turns need the model's own earlier answer,
-    and a load generator measures the server, not a conversation.
+    ``messages`` is the conversation so far (None: the first turn, :func:`first_messages`); a raw
+    completion prompt sends their texts joined, as ``verispec bench`` does.
     """
+    messages = first_messages(spec.prompt) if messages is None else messages
     body: dict[str, Any] = {
         "max_tokens": spec.max_tokens,
         "temperature": 0.0,
@@ -110,10 +131,12 @@ def request_body(spec: RequestSpec, model: str | None = None) -> tuple[str, dict
         body["model"] = model
     if spec.speculation is not None:
         body["speculation"] = spec.speculation
+    if spec.user is not None:
+        body["user"] = spec.user
     if spec.prompt.chat:
-        body["messages"] = [{"role": "user", "content": spec.prompt.turns[0]}]
+        body["messages"] = messages
         return "/v1/chat/completions", body
-    body["prompt"] = spec.prompt.turns[0]
+    body["prompt"] = "".join(message["content"] for message in messages)
     return "/v1/completions", body
 
 
@@ -143,6 +166,8 @@ def apply_chunk(result: RequestResult, chunk: dict[str, Any], elapsed: float) ->
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
         text = choice.get("text", delta.get("content"))
+        if isinstance(text, str):
+            result.text += text
         if "token_id" in extension or text:
             token = True
         if choice.get("finish_reason"):
@@ -155,14 +180,21 @@ def apply_chunk(result: RequestResult, chunk: dict[str, Any], elapsed: float) ->
     return token
 
 
-async def send(client: httpx.AsyncClient, spec: RequestSpec, model: str | None = None) -> RequestResult:
-    """Send ``spec`` as a streaming request and read it to the end (or hang up as it asks).
+async def send(
+    client: httpx.AsyncClient,
+    spec: RequestSpec,
+    model: str | None = None,
+    messages: list[Message] | None = None,
+    turn: int = 1,
+) -> RequestResult:
+    """Send ``spec`` (with ``messages``, the conversation up to its ``turn``-th user turn; None: the
+    first) as a streaming request and read it to the end (or hang up as it asks).
 
     Never raises for a failed request: the failure is the result (``ok`` False, ``error`` set), so
     one bad request cannot hide the others' measurements. Cancellation still propagates.
     """
-    path, body = request_body(spec, model)
-    result = RequestResult(prompt_id=spec.prompt.id, category=spec.prompt.category)
+    path, body = request_body(spec, model, messages)
+    result = RequestResult(prompt_id=spec.prompt.id, category=spec.prompt.category, turn=turn)
     start = time.perf_counter()
     done = False
     try:
@@ -204,13 +236,36 @@ async def send(client: httpx.AsyncClient, spec: RequestSpec, model: str | None =
     return result
 
 
+async def converse(
+    client: httpx.AsyncClient, spec: RequestSpec, model: str | None = None
+) -> list[RequestResult]:
+    """``spec``'s conversation: a request per turn (``spec.turns`` of them at most), each sent when
+    the previous answer has streamed to its end and carrying the whole conversation so far, built
+    from the answers as :meth:`BenchPrompt.before_turn` says. A failed or abandoned turn ends it:
+    the next one would need its answer."""
+    prompt = spec.prompt
+    messages: list[Message] = []
+    results: list[RequestResult] = []
+    answer = None
+    for index in range(min(spec.turns, len(prompt.turns))):
+        messages += prompt.before_turn(index, answer)
+        messages.append({"role": "user", "content": prompt.turns[index]})
+        result = await send(client, spec, model, list(messages), turn=index + 1)
+        results.append(result)
+        if not result.ok or result.disconnected:
+            break
+        answer = result.text
+    return results
+
+
 async def run_level(
     client: httpx.AsyncClient, specs: Sequence[RequestSpec], concurrency: int, model: str | None = None
 ) -> LevelRun:
-    """Send ``specs`` from ``concurrency`` closed-loop users; results come back in ``specs`` order."""
+    """Run the conversations of ``specs`` from ``concurrency`` closed-loop users; the results of
+    their requests come back in ``specs`` order, each conversation's turns in order."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    results: list[RequestResult | None] = [None] * len(specs)
+    results: list[list[RequestResult]] = [[] for _ in specs]
     next_index = 0
 
     async def user() -> None:
@@ -218,22 +273,26 @@ async def run_level(
         while next_index < len(specs):
             index = next_index
             next_index += 1  # no await in between: the event loop runs one user at a time
-            results[index] = await send(client, specs[index], model)
+            results[index] = await converse(client, specs[index], model)
 
     start = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(min(concurrency, len(specs)))))
     wall = time.perf_counter() - start
-    return LevelRun(concurrency, wall, [r for r in results if r is not None])
+    return LevelRun(concurrency, wall, [r for conversation in results for r in conversation])
 
 
-def client_for(base_url: str, concurrency: int, timeout: float) -> httpx.AsyncClient:
+def client_for(
+    base_url: str, concurrency: int, timeout: float, api_key: str | None = None
+) -> httpx.AsyncClient:
     """An HTTP client with a connection per user, so no request waits for a pooled connection.
 
     ``timeout`` bounds each read (the gap between two chunks, or the wait for the first one), not the
-    whole request: a long generation is fine, a stalled server is an error.
+    whole request: a long generation is fine, a stalled server is an error. ``api_key`` goes with
+    every request as ``Authorization: Bearer``.
     """
     return httpx.AsyncClient(
         base_url=base_url,
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         timeout=httpx.Timeout(timeout, connect=30.0),
         limits=httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4),
         trust_env=False,  # a proxy from the environment must not sit between the bench and loopback

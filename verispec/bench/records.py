@@ -91,6 +91,11 @@ class Turn:
     """Wall time of the whole generation, prefill included, measured around the call."""
     counts: SpecCounts | None = None
     text: str = ""
+    ttft: float | None = None
+    """Seconds from submitting the turn to its first token (prefill and the first step: what a
+    prefix cache shortens); None where the contender cannot tell (other tools' baselines)."""
+    cached_prompt_tokens: int | None = None
+    """Prompt tokens the prefix cache supplied instead of a prefill (verispec's methods only)."""
 
 
 @dataclass
@@ -179,6 +184,8 @@ class PromptRecord:
                 seconds=t["seconds"],
                 counts=SpecCounts(**t["counts"]) if t.get("counts") is not None else None,
                 text=t.get("text", ""),
+                ttft=t.get("ttft"),
+                cached_prompt_tokens=t.get("cached_prompt_tokens"),
             )
             for t in data["turns"]
         ]

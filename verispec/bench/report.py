@@ -3,24 +3,137 @@
 The JSON holds everything needed to recompute every number (per-prompt records with their counts
 and timings) plus what is needed to trust them (machine, versions, commit, settings, command). The
 report shows the same tables and never hides a failed lossless check, a failed generation or a
-skipped baseline.
+skipped baseline. A table per turn index shows what later turns of a conversation gain from what
+earlier ones left (a prefix cache makes their time to first token shorter, earlier answers give
+drafts).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from statistics import fmean, median
 from typing import Any
 
 from verispec.bench.aggregate import Summary
 from verispec.bench.environment import describe_cpu
 from verispec.bench.harness import BenchRun
+from verispec.bench.records import PromptRecord, Turn
+from verispec.bench.settings import PLAIN
 
 SCHEMA = "verispec-bench/1"
 HEADER = ("method", "category", "prompts", "tok/s", "speedup", "vs ref", "accept", "tau",
           "draft/verify/other", "lossless")  # fmt: skip
+TURN_HEADER = ("method", "dataset", "turn", "prompts", "prompt tokens", "cached", "TTFT mean", "TTFT p50",
+               "tok/s", "speedup", "decode tok/s", "decode speedup")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TurnSummary:
+    """A method on the ``turn``-th turn (1-based) of every conversation of a dataset that has one."""
+
+    method: str
+    dataset: str
+    turn: int
+    prompts: int
+    prompt_tokens: float
+    """Mean prompt length at this turn: the whole conversation so far."""
+    cached_prompt_tokens: float | None
+    """Mean prompt tokens the prefix cache supplied (None: not reported by the contender)."""
+    ttft_mean: float | None
+    """Mean seconds from submitting the turn to its first token (None: the contender can't tell)."""
+    ttft_p50: float | None
+    tokens_per_second: float
+    """Mean over prompts of this turn's new tokens / its wall time (prefill included)."""
+    speedup: float | None
+    """tokens/s over plain decoding's (``none``) on the same prompts' same turn."""
+    decode_tokens_per_second: float | None = None
+    """Tokens after the first over the time after the first, all of the turn's prompts together:
+    the decoding speed, without the prefill that the prefix cache shortens (None: no TTFT)."""
+    decode_speedup: float | None = None
+    """That over plain decoding's on the same prompts' same turn."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def turn_summaries(records: Sequence[PromptRecord]) -> list[TurnSummary]:
+    """One :class:`TurnSummary` per (method, dataset, turn), in run order, and one of every turn
+    together (turn 0, shown as ``all``); successful records only."""
+    turns: dict[tuple[str, str, int], dict[tuple[str, str, int], Turn]] = {}
+    for record in records:
+        if not record.ok:
+            continue
+        for index, turn in enumerate(record.turns, 1):
+            key = (record.category, record.prompt_id, index)
+            turns.setdefault((record.method, record.dataset, index), {})[key] = turn
+            turns.setdefault((record.method, record.dataset, 0), {})[key] = turn
+    out = []
+    for (method, dataset, index), by_prompt in turns.items():
+        ttfts = [t.ttft for t in by_prompt.values() if t.ttft is not None]
+        cached = [t.cached_prompt_tokens for t in by_prompt.values() if t.cached_prompt_tokens is not None]
+        plain = turns.get((PLAIN, dataset, index), {})
+        speedup = decode_speedup = None
+        decode = _decode_tps(list(by_prompt.values()))
+        if method != PLAIN and plain and all(key in plain for key in by_prompt):
+            base = _turn_tps([plain[key] for key in by_prompt])
+            speedup = _turn_tps(list(by_prompt.values())) / base if base > 0 else None
+            base_decode = _decode_tps([plain[key] for key in by_prompt])
+            decode_speedup = decode / base_decode if decode and base_decode else None
+        out.append(
+            TurnSummary(
+                method=method,
+                dataset=dataset,
+                turn=index,
+                prompts=len(by_prompt),
+                prompt_tokens=fmean(t.prompt_tokens for t in by_prompt.values()),
+                cached_prompt_tokens=fmean(cached) if cached else None,
+                ttft_mean=fmean(ttfts) if ttfts else None,
+                ttft_p50=median(ttfts) if ttfts else None,
+                tokens_per_second=_turn_tps(list(by_prompt.values())),
+                speedup=1.0 if method == PLAIN else speedup,
+                decode_tokens_per_second=decode,
+                decode_speedup=1.0 if method == PLAIN and decode else decode_speedup,
+            )
+        )
+    datasets = list(dict.fromkeys(s.dataset for s in out))
+    # stable: methods in run order; every turn together after the turns
+    return sorted(out, key=lambda s: (datasets.index(s.dataset), s.turn or len(out) + 1))
+
+
+def _turn_tps(turns: Sequence[Turn]) -> float:
+    return fmean(len(t.token_ids) / t.seconds if t.seconds > 0 else 0.0 for t in turns)
+
+
+def _decode_tps(turns: Sequence[Turn]) -> float | None:
+    """Tokens after each turn's first over the time after its first, summed over ``turns``."""
+    timed = [t for t in turns if t.ttft is not None and len(t.token_ids) > 1 and t.seconds > t.ttft]
+    seconds = sum(t.seconds - (t.ttft or 0.0) for t in timed)
+    return sum(len(t.token_ids) - 1 for t in timed) / seconds if seconds > 0 else None
+
+
+def turn_rows(summaries: Sequence[TurnSummary]) -> list[tuple[str, ...]]:
+    """One row of :data:`TURN_HEADER` per turn summary; TTFT in seconds."""
+    return [
+        (
+            s.method,
+            s.dataset,
+            str(s.turn) if s.turn else "all",
+            str(s.prompts),
+            f"{s.prompt_tokens:.0f}",
+            _num(s.cached_prompt_tokens, "{:.0f}"),
+            _num(s.ttft_mean, "{:.3f}"),
+            _num(s.ttft_p50, "{:.3f}"),
+            f"{s.tokens_per_second:.2f}",
+            _num(s.speedup, "{:.2f}x"),
+            _num(s.decode_tokens_per_second, "{:.2f}"),
+            _num(s.decode_speedup, "{:.2f}x"),
+        )
+        for s in summaries
+    ]
 
 
 def results_dict(run: BenchRun) -> dict[str, Any]:
@@ -45,6 +158,7 @@ def results_dict(run: BenchRun) -> dict[str, Any]:
             for r in run.failed
         ],
         "summary": [s.to_dict() for s in run.summaries],
+        "turns": [s.to_dict() for s in turn_summaries(run.records)],
         "records": [r.to_dict() for r in run.records],
     }
 
@@ -119,6 +233,13 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         + (
             ", JSON mode (every answer under `settings.json_schema` of results.json)" if s.json_schema else ""
         ),
+        f"- cache scope: {s.cache_scope} ("
+        + (
+            "each method's requests share one scope: later prompts and turns may reuse earlier ones'"
+            if s.cache_scope == "shared"
+            else "nothing reused across requests"
+        )
+        + ")",
         f"- machine: {describe_cpu(machine)}, {machine.get('ram_gb')} GB RAM, "
         f"torch threads: {machine.get('torch_threads')}, load average {_load(machine)}",
         *_busy_warning(machine),
@@ -136,6 +257,17 @@ def report_markdown(run: BenchRun, plots: Sequence[Path]) -> str:
         markdown_table(rows),
         "",
         _legend(),
+        "",
+        "## Per turn",
+        "",
+        markdown_table(turn_rows(turn_summaries(run.records)), TURN_HEADER),
+        "",
+        "Turn n of every conversation that has one. cached: mean prompt tokens the prefix cache supplied "
+        "instead of a prefill. TTFT: seconds from submitting the turn to its first "
+        "token (verispec's methods; '-' for other tools). tok/s: mean over prompts of the turn's new tokens "
+        "/ its wall time. speedup: over `none` on the same turns. decode tok/s: tokens after the first over "
+        "the time after the first, all prompts together (the decoding speed, without the prefill). "
+        "Turn `all`: every turn together.",
         "",
         "## Lossless check",
         "",

@@ -20,6 +20,18 @@ Policies:
 Every policy gets its own server process, so no state (metrics, acceptance estimates, caches)
 carries from one to the next, and only one model set is in memory at a time.
 
+Conversations: with ``--turns all`` (the default for the workloads made of conversations,
+``code_edit``, ``tool_calls`` and ``mt_bench_6turn``) each simulated user runs its conversation
+turn by turn, each turn a new request carrying the whole history, as chat clients do; the other
+datasets send a prompt's first turn only, as this benchmark always has. TTFT is reported per turn.
+
+Cross-request reuse: the server shares cached prompts and outputs only within a cache scope, which
+comes from the caller's API key (``--api-key``, sent as ``Authorization: Bearer``; the servers
+started here get it through ``$VERISPEC_API_KEY``, so it is on no command line) or, without keys,
+from ``--shared-cache``, which ``--cache-scope shared`` (the default) starts them with. Every level
+(and repeat) names its own OpenAI ``user``, which narrows the scope: levels send the same first
+conversations, and a level must not find them already cached by the one before.
+
 Requests per level default to ``max(12, 2 x users)``: at one user a dozen requests already average
 over prompts, while at 16 users a level must hold at least two requests per user, or the level
 is mostly the ramp-down of its slowest request. Each level sends the first N prompts of one list,
@@ -31,13 +43,15 @@ them would measure prefill, not concurrency.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -45,15 +59,19 @@ from typing import Any
 import httpx
 
 from verispec.bench import environment
-from verispec.bench.datasets import BenchPrompt, load_dataset
+from verispec.bench.datasets import CONVERSATIONS, BenchPrompt, load_dataset
 from verispec.bench.load import RequestSpec, client_for, run_level
 from verispec.bench.scrape import Scrape, parse_metrics, spec_delta
 from verispec.bench.serve_stats import LevelStats, LevelSummary, level_stats, summarize
 from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun
+from verispec.bench.settings import CACHE_SCOPES, SERVE_METHODS
 from verispec.errors import VerispecError
 
 SCHEMA = "verispec-bench-serve/1"
 POLICIES = ("plain", "fixed", "adaptive")
+TURNS = ("all", "first")
+API_KEY_ENV = "VERISPEC_API_KEY"
+"""Where ``verispec serve`` reads its key when given no ``--api-key`` (:mod:`verispec.server.auth`)."""
 PLAIN_IS = "a separate server started with --method none (no proposer or draft model loaded)"
 MB = 2**20
 
@@ -70,14 +88,32 @@ class ServeBenchSettings(ServerRun):
     repeats: int = 1
     warmup: int = 4
     request_timeout: float = 600.0
+    turns: str | None = None
+    """``all``: every turn of a conversation, a request each; ``first``: its first turn only; None:
+    ``all`` for the datasets made of conversations (:data:`~verispec.bench.datasets.CONVERSATIONS`),
+    else ``first``."""
+    cache_scope: str = "shared"
+    """``shared``: the requests of a level share a cache scope (servers without a key start with
+    ``--shared-cache``); ``private``: servers keep every request private."""
+    api_key: str | None = field(default=None, repr=False)
+    """Sent as ``Authorization: Bearer``; the servers started here require it. Never written out."""
 
     @property
     def batch_size(self) -> int:
         return self.max_batch_size or max(self.concurrency)
 
+    @property
+    def all_turns(self) -> bool:
+        """Whether conversations run every turn (else their first turn only)."""
+        return self.turns == "all" or (self.turns is None and self.dataset in CONVERSATIONS)
+
     def requests_at(self, concurrency: int) -> int:
-        """Requests sent at the level with ``concurrency`` users."""
+        """Conversations run at the level with ``concurrency`` users (a request each, or one per turn)."""
         return self.requests_per_level or max(12, 2 * concurrency)
+
+    def user_for(self, level: str) -> str | None:
+        """The OpenAI ``user`` of a level's requests: a scope of its own where caches are shared."""
+        return f"bench-{level}" if self.cache_scope == "shared" else None
 
     def validate(self) -> None:
         unknown = [p for p in self.policies if p not in POLICIES]
@@ -92,20 +128,45 @@ class ServeBenchSettings(ServerRun):
             raise VerispecError(f"--warmup must be >= 0, got {self.warmup}")
         if self.requests_per_level is not None and self.requests_per_level < 1:
             raise VerispecError(f"--requests-per-level must be >= 1, got {self.requests_per_level}")
-        if self.speculative_method not in ("ngram", "draft"):
-            raise VerispecError(f"--method must be ngram or draft, got {self.speculative_method!r}")
+        if self.speculative_method not in SERVE_METHODS:
+            raise VerispecError(
+                f"--method must be one of {', '.join(SERVE_METHODS)}, got {self.speculative_method!r}"
+            )
+        if self.turns not in (None, *TURNS):
+            raise VerispecError(f"--turns must be one of {', '.join(TURNS)}, got {self.turns!r}")
+        if self.cache_scope not in CACHE_SCOPES:
+            raise VerispecError(
+                f"--cache-scope must be one of {', '.join(CACHE_SCOPES)}, got {self.cache_scope!r}"
+            )
+        if self.cache_scope == "private" and self.api_key:
+            raise VerispecError(
+                "--cache-scope private needs a server without API keys (a key's requests share its "
+                "tenant's caches); leave out --api-key"
+            )
         self.validate_server()
 
     def server_args_for(self, policy: str) -> list[str]:
         """The ``verispec serve`` flags of ``policy`` (host and port are added by the process)."""
         method = "none" if policy == "plain" else self.speculative_method
-        return self.server_flags(method, policy, max(self.concurrency))
+        flags = self.server_flags(method, policy, max(self.concurrency))
+        if self.cache_scope == "shared" and not self.api_key:  # before --server-args, which stay last
+            flags.insert(len(flags) - len(self.server_args), "--shared-cache")
+        return flags
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out["max_batch_size"] = self.batch_size
         out["plain_is"] = PLAIN_IS
+        out["turns"] = "all" if self.all_turns else "first"
+        out["api_key"] = "(given)" if self.api_key else None
         return out
+
+    def specs(self, prompts: Sequence[BenchPrompt], user: str | None) -> list[RequestSpec]:
+        """A conversation per prompt, every turn of it or its first, in ``user``'s scope."""
+        return [
+            RequestSpec(prompt, self.max_tokens, turns=len(prompt.turns) if self.all_turns else 1, user=user)
+            for prompt in prompts
+        ]
 
 
 def pick_prompts(
@@ -161,26 +222,32 @@ async def _bench_policy(
 ) -> tuple[list[tuple[LevelStats, dict[str, Any]]], RssSampler]:
     """Warm ``server`` up on ``warmup``, then run every repeat of every level on the first prompts;
     the stats with their raw records."""
-    specs = [RequestSpec(prompt, settings.max_tokens) for prompt in prompts]  # level N sends the first N
     users = max(settings.concurrency)
     out: list[tuple[LevelStats, dict[str, Any]]] = []
     sampler = RssSampler(server.pid)
     sampler.start()
     try:
-        async with client_for(server.base_url, users, settings.request_timeout) as client:
+        async with client_for(server.base_url, users, settings.request_timeout, settings.api_key) as client:
             models = await client.get("/v1/models")
             if models.status_code == 200:  # what the server says it runs: the record of what was measured
                 server.models = models.json().get("data")
+            elif models.status_code == 401:
+                raise VerispecError(f"{policy}: the server refused the API key: {models.text[:300]}")
             if warmup:
-                warm = [RequestSpec(prompt, settings.max_tokens) for prompt in warmup]
+                warm = settings.specs(warmup, settings.user_for("warmup"))
                 run = await run_level(client, warm, min(len(warm), users))
                 bad = [r.error for r in run.results if not r.ok]
                 if bad:
                     raise VerispecError(f"{policy}: warm-up request failed: {bad[0]}")
             for repeat in range(settings.repeats):
                 for concurrency in settings.concurrency:
+                    # level N runs the first N conversations, in a cache scope of its own
+                    specs = settings.specs(
+                        prompts[: settings.requests_at(concurrency)],
+                        settings.user_for(f"r{repeat}-u{concurrency}"),
+                    )
                     before = await scrape(client)
-                    run = await run_level(client, specs[: settings.requests_at(concurrency)], concurrency)
+                    run = await run_level(client, specs, concurrency)
                     after = await scrape(client)
                     if not server.alive():
                         raise VerispecError(
@@ -206,9 +273,14 @@ async def _bench_policy(
 def _progress_line(s: LevelStats, repeats: int) -> str:
     ttft = f"{s.ttft_mean:.2f}" if s.ttft_mean is not None else "-"
     depth = f"{s.mean_depth:.2f}" if s.mean_depth is not None else "-"
+    turns = ""
+    if len(s.ttft_by_turn) > 1:
+        turns = (
+            " (by turn " + "/".join("-" if t is None else f"{t:.2f}" for t in s.ttft_by_turn.values()) + ")"
+        )
     return (
         f"{s.policy:<9} users {s.concurrency:>3}  repeat {s.repeat + 1}/{repeats}: "
-        f"{s.throughput:7.2f} tok/s, TTFT {ttft} s, depth {depth}, {s.wall_seconds:.1f} s"
+        f"{s.throughput:7.2f} tok/s, TTFT {ttft} s{turns}, depth {depth}, {s.wall_seconds:.1f} s"
     )
 
 
@@ -266,7 +338,10 @@ def run_serve_bench(
         progress(f"{policy}: starting verispec serve {' '.join(args)}")
         log = out_dir / f"server-{policy}.log"
         log.unlink(missing_ok=True)
-        with ServerProcess(args, log, startup_timeout=settings.startup_timeout) as server:
+        with (
+            _key_for_servers(settings.api_key),
+            ServerProcess(args, log, startup_timeout=settings.startup_timeout) as server,
+        ):
             progress(f"{policy}: healthy after {server.startup_seconds:.1f} s (pid {server.pid})")
             levels, sampler = asyncio.run(_bench_policy(server, settings, prompts, warmup, policy, progress))
         run.levels += [stats for stats, _ in levels]
@@ -287,6 +362,24 @@ def run_serve_bench(
         write_results(run, out_dir)
     run.environment["machine"]["load_average_end"] = environment.load_average()
     return run
+
+
+@contextlib.contextmanager
+def _key_for_servers(api_key: str | None) -> Iterator[None]:
+    """``$VERISPEC_API_KEY`` set to ``api_key`` while a server starts (it inherits the environment and
+    reads the key from there), so the key is on no command line, log or results file; restored after."""
+    if not api_key:
+        yield
+        return
+    before = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = api_key
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(API_KEY_ENV, None)
+        else:
+            os.environ[API_KEY_ENV] = before
 
 
 def results_dict(run: ServeBenchRun) -> dict[str, Any]:

@@ -62,6 +62,26 @@ def table_rows(summaries: Sequence[LevelSummary]) -> list[tuple[str, ...]]:
     return rows
 
 
+def turn_table(summaries: Sequence[LevelSummary]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """The mean TTFT of each turn, per (policy, concurrency): the header (``turn 1`` .. ``turn N``)
+    and the rows, in seconds, '-' where no conversation of that level reached the turn."""
+    turns = sorted({turn for s in summaries for turn in s.ttft_by_turn})
+    header = ("policy", "users", *(f"turn {turn}" for turn in turns))
+    rows = [
+        (
+            s.policy,
+            str(s.concurrency),
+            *(_fmt(s.ttft_by_turn[t], "{:.3f}") if t in s.ttft_by_turn else "-" for t in turns),
+        )
+        for s in summaries
+    ]
+    return header, rows
+
+
+def _multi_turn(summaries: Sequence[LevelSummary]) -> bool:
+    return any(len(s.ttft_by_turn) > 1 for s in summaries)
+
+
 LEGEND = (
     "tok/s: throughput, output tokens of all requests of a level / its wall time (first request sent to "
     "last done). vs plain: throughput over the plain server's at the same number of users. TTFT: seconds "
@@ -87,9 +107,10 @@ def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], 
         f"- target: `{s['target']}`"
         + (f", draft: `{s['draft']}`" if s.get("draft") else "")
         + f", method {s['method']}, k = {s['num_speculative_tokens']}",
-        f"- {_requests(s)} streaming requests per level (greedy, max_tokens {s['max_tokens']}) "
-        f"from {s['dataset']}, first user turn only; {s['repeats']} repeat(s) per level; "
-        f"{s['warmup']} warm-up request(s) per server",
+        f"- {_requests(s)} streaming {_unit(s)} per level (greedy, max_tokens {s['max_tokens']}) "
+        f"from {s['dataset']}, {_turns(s)}; {s['repeats']} repeat(s) per level; "
+        f"{s['warmup']} warm-up {_unit(s)} per server",
+        f"- cache scope: {_scope(s)}",
         f"- closed loop: each of N users sends its next request when the last one ends; server "
         f"--max-batch-size {s['max_batch_size']}",
         f"- plain: {s['plain_is']}",
@@ -107,6 +128,7 @@ def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], 
         "",
         LEGEND,
         "",
+        *_turn_section(summaries),
         "## Servers",
         "",
     ]
@@ -126,6 +148,38 @@ def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], 
     if plots:
         out += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots)]
     return "\n".join(out) + "\n"
+
+
+def _turn_section(summaries: Sequence[LevelSummary]) -> list[str]:
+    if not _multi_turn(summaries):
+        return []
+    header, rows = turn_table(summaries)
+    return [
+        "## Time to first token by turn",
+        "",
+        markdown_table(rows, header),
+        "",
+        "Mean seconds from sending turn n's request (the whole conversation so far) to its first token; "
+        "from turn 2 on, a prefix cache can skip the prefill of what earlier turns already computed.",
+        "",
+    ]
+
+
+def _unit(settings: dict[str, Any]) -> str:
+    return "conversations (a request per turn)" if settings.get("turns") == "all" else "requests"
+
+
+def _turns(settings: dict[str, Any]) -> str:
+    if settings.get("turns") == "all":
+        return "every turn, each request carrying the whole conversation so far"
+    return "first user turn only"
+
+
+def _scope(settings: dict[str, Any]) -> str:
+    if settings.get("cache_scope") == "private":
+        return "private (the servers share no cached prompts or outputs between requests)"
+    how = "the API key's tenant" if settings.get("api_key") else "servers started with --shared-cache"
+    return f"shared within each level ({how}; each level names its own OpenAI `user`)"
 
 
 def _requests(settings: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ Definitions (also in the report's legend):
 
 - throughput: output tokens of all successful requests / the level's wall time (first request sent
   to last one done), so queueing, prefill and the level's ramp-down all count;
-- TTFT: client-side time from sending a request to its first token chunk;
+- TTFT: client-side time from sending a request to its first token chunk; per turn too, where
+  conversations run turn by turn (turn 2 onwards resends the conversation, so a prefix cache shortens
+  its prefill);
 - per-user tok/s: a request's output tokens / its whole time (what one user experiences); the
   decode rate leaves out the time to the first token;
 - depth: draft tokens per sequence and step while the level ran, from the server's counters.
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from verispec.bench.load import LevelRun
@@ -73,6 +75,10 @@ class LevelStats:
     acceptance_rate: float | None
     depth_source: str
     """``metrics`` (the server's counters), ``usage`` (the requests' own stats) or ``none``."""
+    conversations: int = 0
+    """Conversations the level ran (each one request per turn sent; ``requests`` counts them all)."""
+    ttft_by_turn: dict[int, float | None] = field(default_factory=dict)
+    """Mean TTFT of the successful requests of each turn (1-based) of the conversations."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,7 +107,17 @@ def level_stats(policy: str, repeat: int, run: LevelRun, delta: SpecDelta | None
         mean_depth=depth,
         acceptance_rate=acceptance,
         depth_source=source,
+        conversations=sum(1 for r in run.results if r.turn == 1),
+        ttft_by_turn=_by_turn([(r.turn, r.ttft) for r in ok]),
     )
+
+
+def _by_turn(pairs: Iterable[tuple[int, float | None]]) -> dict[int, float | None]:
+    """The mean of each turn's values, turns in order."""
+    turns: dict[int, list[float | None]] = {}
+    for turn, value in pairs:
+        turns.setdefault(turn, []).append(value)
+    return {turn: mean(turns[turn]) for turn in sorted(turns)}
 
 
 def _depth(run: LevelRun, delta: SpecDelta | None) -> tuple[float | None, float | None, str]:
@@ -152,6 +168,8 @@ class LevelSummary:
     requests: int
     failed: int
     values: dict[str, Spread]
+    ttft_by_turn: dict[int, Spread] = field(default_factory=dict)
+    """Each turn's mean TTFT over the repeats (turn 1 only where conversations are single requests)."""
 
     def get(self, name: str) -> float | None:
         return self.values[name].mean
@@ -164,6 +182,7 @@ class LevelSummary:
             "requests": self.requests,
             "failed": self.failed,
             **{name: s.to_dict() for name, s in self.values.items()},
+            "ttft_by_turn": {str(turn): s.to_dict() for turn, s in self.ttft_by_turn.items()},
         }
 
 
@@ -180,6 +199,10 @@ def summarize(levels: Sequence[LevelStats]) -> list[LevelSummary]:
             requests=sum(r.requests for r in runs),
             failed=sum(r.failed for r in runs),
             values={name: spread([getattr(r, name) for r in runs]) for name in SPREAD_FIELDS},
+            ttft_by_turn={
+                turn: spread([r.ttft_by_turn.get(turn) for r in runs])
+                for turn in sorted({t for r in runs for t in r.ttft_by_turn})
+            },
         )
         for (policy, concurrency), runs in groups.items()
     ]

@@ -25,6 +25,13 @@ BASELINES: tuple[str, ...] = ("hf", "hf-assisted", "hf-pld", "llamacpp", "llamac
 WARMUP_PROMPT = "Write a short poem about the sea, then explain its rhyme scheme."
 """Warm-up text, deliberately not taken from any evaluation set."""
 
+SERVE_METHODS: tuple[str, ...] = tuple(m for m in ("ngram", "draft", "suffix") if m in METHODS)
+"""What ``bench serve`` speculates with (its plain policy is a server with ``--method none``)."""
+
+CACHE_SCOPES: tuple[str, ...] = ("shared", "private")
+"""``shared``: each contender's requests share one cache scope (earlier prompts' KV and outputs may
+help later ones, as one user's requests in a deployment); ``private``: none does."""
+
 JSON_INSTRUCTION = "\n\nReply with one JSON object that follows this JSON schema:\n{schema}"
 """Ends each user turn in JSON mode (``--json-schema``), so the model is asked for what the grammar
 will force: a served request with ``response_format`` says the same in its messages."""
@@ -87,6 +94,11 @@ class BenchSettings:
     constrains it, and each user turn ends with :data:`JSON_INSTRUCTION` naming it (chat prompts
     only). Proposers draft inside the grammar; the lossless check compares with plain decoding under
     the same grammar. Baselines are skipped: none decodes under a grammar here."""
+    cache_scope: str = "shared"
+    """``shared``: every request of a contender carries the scope ``bench-<contender>``, so a later
+    prompt or turn may reuse what earlier ones cached (prompt KV, outputs to draft from), never
+    another contender's; ``private``: no scope, nothing reused across requests (the cost without
+    cross-request reuse)."""
     load: ModelLoadConfig = field(default_factory=ModelLoadConfig)
 
     def __post_init__(self) -> None:
@@ -126,6 +138,10 @@ class BenchSettings:
             # The schema itself is compiled against the target's tokenizer, so a wrong one fails the
             # warm-up generation with llguidance's message (before any timing).
             raise VerispecError("--json-schema must be a JSON object (a schema)")
+        if self.cache_scope not in CACHE_SCOPES:
+            raise VerispecError(
+                f"--cache-scope must be one of {', '.join(CACHE_SCOPES)}, got {self.cache_scope!r}"
+            )
         if self.heads is not None and not Path(self.heads).expanduser().exists():
             raise VerispecError(f"--heads {self.heads}: no such folder")
         self.categories_by_dataset()  # validates the category names
@@ -147,6 +163,10 @@ class BenchSettings:
             for d in homes:
                 chosen[d].append(category)
         return {d: (cats or None) for d, cats in chosen.items()}
+
+    def scope_of(self, contender: str) -> str | None:
+        """The cache scope of ``contender``'s requests (None: private)."""
+        return f"bench-{contender}" if self.cache_scope == "shared" else None
 
     def json_instruction(self) -> str:
         """What JSON mode appends to each user turn ('' without ``json_schema``)."""

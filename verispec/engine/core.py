@@ -25,6 +25,7 @@ from verispec.config import SchedulerConfig, SpecConfig
 from verispec.costs import StepCostModel
 from verispec.engine.drafting import Drafting
 from verispec.engine.hooks import HiddenObserver, HiddenTap, StepCosts
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.requests import Prompt, RequestBuilder
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.state import Request, RequestOutput, SeqState, StepReport, TokenLogprobs
@@ -36,6 +37,19 @@ from verispec.policy import AcceptancePrior, DepthPolicy, TreeCalibration
 from verispec.proposers.base import Proposer
 from verispec.types import Generation, TokenEvent
 from verispec.verify import make_verifier
+
+LOCAL_SCOPE = "local"
+"""The cache scope of :meth:`SpecEngine.generate`, :meth:`~SpecEngine.stream` and
+:meth:`~SpecEngine.generate_batch` requests: one process's own caller. A server gives each request
+its caller's scope instead (:attr:`Request.cache_scope <verispec.engine.state.Request.cache_scope>`)."""
+
+
+def prefix_cache(target: CausalLM, config: SchedulerConfig) -> PrefixCache | None:
+    """A prefix cache of ``config``'s budget, where ``target`` computes every position the same
+    way however its forwards are grouped (else reuse would not be exact); None otherwise."""
+    if config.prefix_cache_gb <= 0 or not getattr(target, "position_invariant", False):
+        return None
+    return PrefixCache(int(config.prefix_cache_gb * 1e9))
 
 
 class SpecEngine:
@@ -67,13 +81,15 @@ class SpecEngine:
         self.requests = RequestBuilder(target, tokenizer, k)
         self._costs = StepCosts(spec, target, draft, costs)
         self._drafting = Drafting(proposer, self._costs, spec, target, draft)
+        config = scheduler or SchedulerConfig()
         self._queue = Scheduler(
-            scheduler or SchedulerConfig(),
+            config,
             target,
             tokenizer,
             proposer,
             self._drafting.prior,
             self.requests.constraint,
+            prefix_cache(target, config),
         )
         self._tap = HiddenTap(target.hidden_size)
         self._step = Step(
@@ -156,6 +172,11 @@ class SpecEngine:
         return self._step.run()
 
     @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Keys and values of ended requests, reused by later ones of their scope (None: off)."""
+        return self._queue.prefix
+
+    @property
     def policy(self) -> DepthPolicy:
         """The depth policy, built on first use (the adaptive one measures costs, or loads them)."""
         return self._costs.policy
@@ -199,10 +220,14 @@ class SpecEngine:
         self, prompts: Seq[Prompt], *, each: Seq[Mapping[str, Any]] | None = None, **kwargs: Any
     ) -> list[Generation]:
         """Generate for several prompts decoding together in batches: the same settings for each,
-        except those ``each[i]`` gives prompt i (e.g. its own ``structured`` output)."""
+        except those ``each[i]`` gives prompt i (e.g. its own ``structured`` output).
+
+        These conveniences serve one caller, so their requests share one cache scope,
+        :data:`LOCAL_SCOPE`, unless ``cache_scope`` says otherwise (None: private)."""
         if each is not None and len(each) != len(prompts):
             raise VerispecError(f"each: {len(each)} settings for {len(prompts)} prompts")
         own = each if each is not None else [{}] * len(prompts)
+        kwargs.setdefault("cache_scope", LOCAL_SCOPE)
         requests = [self.make_request(p, **{**kwargs, **mine}) for p, mine in zip(prompts, own, strict=True)]
         events: dict[str, list[TokenEvent]] = {r.request_id: [] for r in requests}
         scores: dict[str, list[TokenLogprobs | None] | None] = {}
@@ -217,6 +242,7 @@ class SpecEngine:
 
         Arguments as :meth:`make_request`. The last event carries the ``finish_reason`` and stats.
         """
+        kwargs.setdefault("cache_scope", LOCAL_SCOPE)
         for out in self._drive([self.make_request(prompt, **kwargs)]):
             yield from out.events
 

@@ -57,6 +57,7 @@ class RequestBuilder:
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
         structured: Structured | None = None,
+        cache_scope: str | None = None,
     ) -> Request:
         """Validate a request; raises :class:`VerispecError` with a message fit for the user (a
         :class:`ConfigError` naming the option where one option is at fault).
@@ -71,7 +72,8 @@ class RequestBuilder:
         ``structured`` constrains the output to a JSON schema, regex, choice or Lark grammar
         (:mod:`verispec.structured`); the grammar is compiled here, so a bad one is refused here.
         ``stop_token_ids`` end the output like EOS does (kept in ``token_ids``, finish reason
-        ``stop``), as vLLM's.
+        ``stop``), as vLLM's. ``cache_scope``: who shares this request's cached prompt and output
+        (:attr:`Request.cache_scope`); None keeps it private.
         """
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -119,6 +121,7 @@ class RequestBuilder:
             penalties=penalties if penalties.active else None,
             grammar=grammar,
             stop_token_ids=frozenset(stop_token_ids),
+            cache_scope=cache_scope,
             **extra,
         )
 

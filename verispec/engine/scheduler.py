@@ -15,8 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from verispec.config import SchedulerConfig
 from verispec.detok import IncrementalDetokenizer
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.state import Request, SeqState
 from verispec.errors import QueueFullError, VerispecError
 from verispec.models.base import CausalLM
@@ -39,6 +42,9 @@ class Scheduler:
     """The engine-wide acceptance each new sequence's estimate starts from."""
     constraint: Callable[[str], Constraint]
     """Compiles a request's grammar into a matcher for its sequence."""
+    prefix: PrefixCache | None = None
+    """Where sequences leave their keys and values when they end, for later requests of their scope
+    (None: the target's reuse would not be exact, or the budget is 0)."""
     waiting: deque[SeqState] = field(default_factory=deque, init=False)
     running: list[SeqState] = field(default_factory=list, init=False)
     _by_id: dict[str, SeqState] = field(default_factory=dict, init=False)
@@ -85,6 +91,7 @@ class Scheduler:
             seq = self.waiting.popleft()
             if self.proposer is not None:
                 seq.proposer_state = self.proposer.new_state(seq.request.prompt_ids, seq.request.sampling)
+                self.proposer.set_scope(seq.proposer_state, seq.request.cache_scope)
                 if seq.rules is not None:
                     self.proposer.constrain(seq.proposer_state, seq.rules)
             self.running.append(seq)
@@ -99,8 +106,12 @@ class Scheduler:
         self.release(seq)
         return True
 
-    def release(self, seq: SeqState) -> None:
-        """Take a finished, failed or aborted sequence out of the batch and free what it holds."""
+    def release(self, seq: SeqState, *, keep: bool = True) -> None:
+        """Take a finished, failed or aborted sequence out of the batch and free what it holds;
+        with ``keep`` (not after a failure, which may have left its cache half-written) its keys and
+        values go to the prefix cache first."""
+        if keep:
+            self.keep_prefix(seq)
         if seq in self.running:
             self.running.remove(seq)
         self._by_id.pop(seq.request.request_id, None)
@@ -108,6 +119,18 @@ class Scheduler:
             self.proposer.release(seq.proposer_state)
             seq.proposer_state = None
         seq.cache = self.target.new_cache()  # drop the KV memory now, not when the caller lets go
+
+    def keep_prefix(self, seq: SeqState) -> None:
+        """Store ``seq``'s cached positions in the prefix cache, where it has one and a scope."""
+        scope = seq.request.cache_scope
+        if self.prefix is None or scope is None or not seq.reuse_checked:
+            return
+        hidden = None
+        if seq.hidden_rows is not None:
+            hidden = torch.cat(seq.hidden_rows) if seq.hidden_rows else None
+            if hidden is None:
+                return
+        self.prefix.keep(scope, seq.token_ids, seq.cache, hidden)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -43,6 +43,12 @@ class Request:
     """llguidance grammar the output must match (:mod:`verispec.structured`), masked the same way."""
     stop_token_ids: frozenset[int] = frozenset()
     """Tokens that end the output as EOS does (finish reason ``stop``)."""
+    cache_scope: str | None = None
+    """Who may reuse what this request computes and writes (its prompt's KV, its output as draft
+    material), and whose they may reuse: requests of the same scope share both caches. None keeps
+    the request private: it reuses nothing and leaves nothing behind. A scope is the caller's
+    tenant (from its API key), narrowed by the OpenAI ``user`` field: cross-request caches are a
+    timing side channel, so they are shared only among callers who may see each other's text."""
 
 
 @dataclass
@@ -67,6 +73,11 @@ class SeqState:
     """With penalties or a grammar: them, the grammar's matcher following this sequence's output."""
     prompt_scores: list[TokenLogprobs] = field(default_factory=list)
     """With ``prompt_logprobs``: the prompt's tokens after the first, scored as prefill goes."""
+    reuse_checked: bool = False
+    """Whether the prefix cache was asked for this sequence's prompt (once, before its first chunk)."""
+    hidden_rows: list[torch.Tensor] | None = None
+    """Where the prefix cache will keep this sequence's hidden rows: one per cached position, as
+    the target's forwards gave them (None: it keeps none for this sequence)."""
 
     @property
     def prompt_len(self) -> int:

@@ -1,8 +1,9 @@
 """One engine step over the running batch: prefill, then decode.
 
-- **prefill**: each new sequence feeds all its prompt tokens but the last, in chunks whose boundaries
-  depend on the prompt alone, within a per-step token budget (a draft model is fed them too where
-  the depth policy expects to use it);
+- **prefill**: each new sequence first takes the longest prefix of its prompt that the prefix cache
+  holds for its scope (:mod:`verispec.engine.prefix_cache`), then feeds the rest of its prompt
+  tokens but the last, in chunks within a per-step token budget (a draft model is fed them too
+  where the depth policy expects to use it);
 - **decode** (:meth:`Step.decode`): propose -> verify -> commit or roll back -> stats. The
   proposer drafts for every sequence (:mod:`verispec.engine.drafting`); one batched target forward
   scores every row's ``[pending, d_1 .. d_N]`` (a tree's nodes under a tree mask); each row is
@@ -89,9 +90,13 @@ class Step:
         return outputs
 
     def prefill(self) -> list[RequestOutput]:
-        """Feed the next prompt chunk of sequences still prefilling, within the step's token budget,
-        in one batched forward. A chunk ends at the next multiple of ``prefill_chunk``, so how a
-        prompt is split depends on its length alone, never on what else is running."""
+        """Take what the prefix cache holds of new sequences' prompts, then feed the next prompt
+        chunk of sequences still prefilling, within the step's token budget, in one batched
+        forward. A chunk ends at the next multiple of ``prefill_chunk``, so how a prompt is split
+        depends on its length alone, never on what else is running."""
+        failed: list[RequestOutput] = []  # a sequence whose reuse fails ends with its error
+        for seq in [s for s in self.scheduler.running if not s.reuse_checked]:
+            failed += self.guarded([seq], self._reuse)
         chunk = self.scheduler.config.prefill_chunk
         budget = chunk
         seqs, rows = [], []
@@ -106,8 +111,8 @@ class Step:
             rows.append(seq.token_ids[start:end])
             budget -= end - start
         if not seqs:
-            return []
-        return self.guarded(seqs, lambda seqs: self._prefill_chunks(seqs, rows))
+            return failed
+        return failed + self.guarded(seqs, lambda seqs: self._prefill_chunks(seqs, rows))
 
     def guarded(
         self, seqs: list[SeqState], work: Callable[[list[SeqState]], list[RequestOutput]]
@@ -120,8 +125,39 @@ class Step:
                 _log.exception("a step failed for requests %s", [s.request.request_id for s in seqs])
             message = str(exc) if isinstance(exc, VerispecError) else f"internal error: {exc!r}"
             for seq in seqs:
-                self.scheduler.release(seq)
+                self.scheduler.release(seq, keep=False)
             return [RequestOutput(s.request.request_id, finished=True, error=message) for s in seqs]
+
+    def _reuse(self, seqs: list[SeqState]) -> list[RequestOutput]:
+        """Before a sequence's first chunk: take the longest prefix of its prompt that the prefix
+        cache holds for its scope, and give the proposer and the tap what the prefill of those
+        tokens would have given them (their hidden rows; a draft model is fed the tokens)."""
+        (seq,) = seqs
+        seq.reuse_checked = True
+        prefix, scope = self.scheduler.prefix, seq.request.cache_scope
+        if prefix is None or scope is None:
+            return []
+        if self._needs_hidden:
+            seq.hidden_rows = []
+        if seq.request.prompt_logprobs is not None:  # its prompt's logits must be computed
+            return []
+        reused = prefix.reuse(
+            scope, seq.token_ids, seq.cache, limit=len(seq.token_ids) - 1, with_hidden=self._needs_hidden
+        )
+        if not reused.tokens:
+            return []
+        seq.stats.cached_prompt_tokens = reused.tokens
+        if reused.hidden is not None and seq.hidden_rows is not None:
+            seq.hidden_rows.append(reused.hidden)
+            self.tap.prefilled(seq, reused.hidden)
+            if self.proposer is not None and self.proposer.needs_hidden:
+                self.proposer.prefill(seq.proposer_state, reused.hidden)
+        if self.proposer is not None and self.drafting.feeds_draft(seq):
+            chunk = self.scheduler.config.prefill_chunk
+            for start in range(0, reused.tokens, chunk):
+                end = min(start + chunk, reused.tokens)
+                self.proposer.prefill_tokens([seq.proposer_state], [seq.token_ids[start:end]])
+        return []
 
     def _prefill_chunks(self, seqs: list[SeqState], rows: list[list[int]]) -> list[RequestOutput]:
         scored = [s.request.prompt_logprobs is not None for s in seqs]
@@ -140,6 +176,8 @@ class Step:
                 seq.prompt_scores += token_logprobs(logits, nexts, int(seq.request.prompt_logprobs or 0))
         if out.hidden is not None:
             for seq, hidden in zip(seqs, out.hidden, strict=True):
+                if seq.hidden_rows is not None:
+                    seq.hidden_rows.append(hidden)
                 self.tap.prefilled(seq, hidden)
                 if self.proposer is not None and self.proposer.needs_hidden:
                     self.proposer.prefill(seq.proposer_state, hidden)
@@ -147,6 +185,9 @@ class Step:
         if self.proposer is not None and speculating:
             states = [seqs[b].proposer_state for b in speculating]
             self.proposer.prefill_tokens(states, [rows[b] for b in speculating])
+        for seq in seqs:
+            if seq.prefilled:  # its prompt is there for requests that start alike, while it runs
+                self.scheduler.keep_prefix(seq)
         return []
 
     def _score(self, seqs: list[SeqState], rows: VerifyRows, drafts: list[Draft]) -> BatchOutput:
@@ -174,6 +215,8 @@ class Step:
         wanted = seq.request.logprobs
         scored = None if wanted is None else token_logprobs(logits, result.tokens, wanted)
         before = len(seq.token_ids)
+        if hidden is not None and seq.hidden_rows is not None:
+            seq.hidden_rows.append(hidden)
         output = commit_tokens(seq, result.tokens, result.num_accepted, self.target.eos_token_ids, scored)
         if output.finished:
             self.scheduler.release(seq)

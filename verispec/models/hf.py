@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
-from verispec.models import lean
+from verispec.models import lean, native
+from verispec.models.attention import NATIVE_SOURCE as NATIVE_ATTENTION
 from verispec.models.attention import register as register_attention
 from verispec.models.base import BatchOutput, ForwardOutput
 from verispec.models.fused import fuse_projections
@@ -78,6 +79,22 @@ class HFCausalLM:
 
     def new_cache(self) -> KVBuffer:
         return KVBuffer()
+
+    @property
+    def position_invariant(self) -> bool:
+        """Whether a position's keys, values and hidden state depend on its tokens alone, not on
+        how the forwards that computed it were grouped (a prefill chunk, a decode step, a verify
+        row): then one request's cache can stand in for another's computation, to the bit
+        (:mod:`verispec.engine.prefix_cache`). True for the GGUF and int8 weights (each output
+        element from its own row, integer sums) with verispec's C++ attention, which takes prompt
+        rows too; float weights go through BLAS, whose sums change with the number of rows, and
+        int4 runs prompt rows through a kernel of their own."""
+        if self.quantization not in ("gguf", "int8") or not self.native_attention:
+            return False
+        dtype = getattr(self.config, "dtype", None)
+        if self.device.type != "cpu" or dtype not in (None, torch.float32, "float32"):
+            return False
+        return native.ready(NATIVE_ATTENTION, "prompt keys are not reused across requests")
 
     def forward(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from verispec.errors import VerispecError
-from verispec.proposers import draft_model, eagle, eagle3, hybrid, medusa, ngram  # noqa: F401 - registers them
+from verispec.proposers import draft_model, eagle, eagle3, hybrid, medusa, ngram, suffix  # noqa: F401 - registers them
 from verispec.proposers.base import REGISTRY, Proposer
 
 if TYPE_CHECKING:

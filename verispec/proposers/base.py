@@ -61,6 +61,11 @@ class Proposer(ABC):
         whatever the proposer drafted from); the default ignores them."""
         return None
 
+    def set_scope(self, state: Any, scope: str | None) -> None:  # noqa: B027 - optional hook
+        """The sequence's cache scope (:attr:`verispec.engine.state.Request.cache_scope`), told once
+        after :meth:`new_state`: a proposer that keeps material across requests (earlier outputs)
+        drafts from, and adds to, only that scope's; None: this sequence's own context only."""
+
     def max_tree_size(self, k: int) -> int:
         """The most nodes a draft ``k`` deep may have (a chain: k)."""
         return k

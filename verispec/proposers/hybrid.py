@@ -1,5 +1,6 @@
 """``eagle+ngram`` and ``medusa+ngram``: a learned drafter's token tree with prompt lookup's
-continuation grafted on as one more branch.
+continuation grafted on as one more branch; ``eagle+suffix`` and ``medusa+suffix``: the same tree
+merged with suffix decoding's.
 
 The two drafters are right in different places. Prompt lookup wins where the answer copies its
 context (code edits, summaries, RAG: long runs, each accepted token nearly free to find) and has
@@ -14,6 +15,13 @@ is measured, per sequence and position, by how far past lookup continuations mat
 the step actually committed (shrunk toward an estimate over all sequences): it is known before this
 step's verification, so sizing the tree by it cannot bias the output. A node that both drafters
 proposed keeps the higher of its two scores; scores still never increase along a path.
+
+``eagle+suffix``, ``medusa+suffix`` and ``eagle3+suffix`` merge suffix decoding's tree
+(:mod:`verispec.proposers.suffix`) instead: it carries scores of its own (how often each path
+followed the context's tail before), so the two scored trees merge node by node (:func:`merge`) and
+the depth policy sizes the union. Both budgets count: the merged tree may hold both trees' nodes.
+The scope, the release and every commit reach both parts: the suffix part adds the output to its
+scope's cache when the sequence is released.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from verispec.proposers.eagle import EagleProposer
 from verispec.proposers.eagle3 import Eagle3Proposer
 from verispec.proposers.heads_base import HeadsProposer
 from verispec.proposers.medusa import MedusaProposer
-from verispec.proposers.ngram import NgramProposer, NgramState
+from verispec.proposers.ngram import NgramProposer
+from verispec.proposers.suffix import SuffixProposer
 from verispec.types import Draft
 
 if TYPE_CHECKING:
@@ -42,28 +51,67 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class HybridState:
+class PairState:
     heads: Any
     """The heads proposer's own per-sequence state."""
-    lookup: NgramState
+    other: Any
+    """The model-free proposer's (prompt lookup's, suffix decoding's)."""
+
+
+@dataclass
+class HybridState(PairState):
     acceptance: AcceptanceEstimate
     """How deep this sequence's lookup continuations have matched what was committed."""
     chain: list[int]
     """The lookup continuation proposed at the last step (empty when there was none)."""
 
 
-class HybridProposer(BatchProposer):
-    """A :class:`HeadsProposer`'s tree plus prompt lookup's continuation (module docstring)."""
+class HeadsPlus(BatchProposer):
+    """A :class:`HeadsProposer`'s tree together with a model-free proposer's draft: what both
+    combinations share (every hook reaches both parts; hidden states go to the heads)."""
 
     needs_hidden = True
     drafts_trees = True
 
-    def __init__(self, heads: HeadsProposer, lookup: NgramProposer) -> None:
+    def __init__(self, heads: HeadsProposer, other: Proposer, kind: str) -> None:
         self.heads = heads
-        self.lookup = lookup
-        self.name = f"{heads.name}+ngram"  # type: ignore[misc]  # one class, two registered names
+        self.other = other
+        self.name = f"{heads.name}+{kind}"  # type: ignore[misc]  # one class, several registered names
         self.feature_layers = heads.feature_layers
         self.raw_features = heads.raw_features
+
+    def constrain(self, state: PairState, rules: RequestRules) -> None:
+        self.heads.constrain(state.heads, rules)
+        self.other.constrain(state.other, rules)
+
+    def set_scope(self, state: PairState, scope: str | None) -> None:
+        self.heads.set_scope(state.heads, scope)
+        self.other.set_scope(state.other, scope)
+
+    def prefill(self, state: PairState, hidden: torch.Tensor) -> None:
+        self.heads.prefill(state.heads, hidden)
+
+    def update(
+        self,
+        state: PairState,
+        token_ids: Sequence[int],
+        num_accepted: int,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        self.heads.update(state.heads, token_ids, num_accepted, hidden)
+        self.other.update(state.other, token_ids, num_accepted)
+
+    def release(self, state: PairState) -> None:
+        self.heads.release(state.heads)
+        self.other.release(state.other)
+
+
+class HybridProposer(HeadsPlus):
+    """A :class:`HeadsProposer`'s tree plus prompt lookup's continuation (module docstring)."""
+
+    def __init__(self, heads: HeadsProposer, lookup: NgramProposer) -> None:
+        super().__init__(heads, lookup, "ngram")
+        self.lookup = lookup
         self.prior = AcceptancePrior(mean=0.5)
         """Lookup's record over all sequences. Neutral where nothing is measured yet: the engine's
         optimistic 0.8 would rank an unmeasured lookup branch above most of the heads' nodes."""
@@ -79,17 +127,10 @@ class HybridProposer(BatchProposer):
     def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> HybridState:
         return HybridState(
             heads=self.heads.new_state(prompt_ids, sampling),
-            lookup=self.lookup.new_state(prompt_ids, sampling),
+            other=self.lookup.new_state(prompt_ids, sampling),
             acceptance=AcceptanceEstimate(self.prior),
             chain=[],
         )
-
-    def constrain(self, state: HybridState, rules: RequestRules) -> None:
-        self.heads.constrain(state.heads, rules)
-        self.lookup.constrain(state.lookup, rules)
-
-    def prefill(self, state: HybridState, hidden: torch.Tensor) -> None:
-        self.heads.prefill(state.heads, hidden)
 
     def propose_batch(
         self,
@@ -102,19 +143,18 @@ class HybridProposer(BatchProposer):
         trees = self.heads.propose_batch([s.heads for s in states], token_ids, ks, min_logp=min_logp)
         out: list[Draft] = []
         for state, ids, k, tree in zip(states, token_ids, ks, trees, strict=True):
-            state.chain = self.lookup.propose(state.lookup, ids, k).tokens.tolist()
+            state.chain = self.lookup.propose(state.other, ids, k).tokens.tolist()
             out.append(graft(tree, state.chain, state.acceptance.survival(len(state.chain))))
         return out
 
     def update(
         self,
-        state: HybridState,
+        state: HybridState,  # type: ignore[override]
         token_ids: Sequence[int],
         num_accepted: int,
         hidden: torch.Tensor | None = None,
     ) -> None:
-        self.heads.update(state.heads, token_ids, num_accepted, hidden)
-        self.lookup.update(state.lookup, token_ids, num_accepted)
+        super().update(state, token_ids, num_accepted, hidden)
         if state.chain:
             committed = list(token_ids[len(token_ids) - num_accepted - 1 :])
             checked = min(len(state.chain), len(committed))
@@ -125,8 +165,38 @@ class HybridProposer(BatchProposer):
             self.prior.observe(checked, matched)
             state.chain = []
 
-    def release(self, state: HybridState) -> None:
-        self.heads.release(state.heads)
+
+class SuffixHybridProposer(HeadsPlus):
+    """A :class:`HeadsProposer`'s tree merged with suffix decoding's (module docstring)."""
+
+    def __init__(self, heads: HeadsProposer, suffix: SuffixProposer) -> None:
+        super().__init__(heads, suffix, "suffix")
+        self.suffix = suffix
+        self.description: dict[str, object] = {**heads.description, **suffix.description}
+        """What defines this proposer, for benchmark reports."""
+
+    def max_tree_size(self, k: int) -> int:
+        return self.heads.max_tree_size(k) + self.suffix.max_tree_size(k)  # they may share no node
+
+    def new_state(self, prompt_ids: Sequence[int], sampling: SamplingConfig) -> PairState:
+        return PairState(
+            heads=self.heads.new_state(prompt_ids, sampling),
+            other=self.suffix.new_state(prompt_ids, sampling),
+        )
+
+    def propose_batch(
+        self,
+        states: Sequence[PairState],
+        token_ids: Sequence[Sequence[int]],
+        ks: Sequence[int],
+        *,
+        min_logp: float = -math.inf,
+    ) -> list[Draft]:
+        trees = self.heads.propose_batch([s.heads for s in states], token_ids, ks, min_logp=min_logp)
+        return [
+            merge(tree, self.suffix.draft(state.other, ids, k, min_logp))
+            for state, ids, k, tree in zip(states, token_ids, ks, trees, strict=True)
+        ]
 
 
 def graft(tree: Draft, chain: Sequence[int], survival: Sequence[float]) -> Draft:
@@ -134,17 +204,31 @@ def graft(tree: Draft, chain: Sequence[int], survival: Sequence[float]) -> Draft
     ``log survival[j]``; nodes already in the tree keep the higher score. Re-sorted best first."""
     if not chain:
         return tree
-    if tree.scores is not None:
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-        scores = tree.scores.tolist()
-    elif tree.size == 0:
-        tokens, parents, scores = [], [], []
-    else:
-        raise TypeError("only a scored tree (or nothing) can take a lookup branch")
+    scores = [math.log(max(p, 1e-12)) for p in survival]
+    branch = Draft.chain(torch.tensor(list(chain), dtype=torch.long))
+    scored = Draft(branch.tokens, branch.parents, scores=torch.tensor(scores, dtype=torch.float64))
+    return merge(tree, scored)
+
+
+def merge(tree: Draft, other: Draft) -> Draft:
+    """Two scored trees (or empty drafts) as one: a path both hold is one node with the higher of
+    its two scores, which keeps scores non-increasing along every path (each tree's are). Re-sorted
+    best first, parents first (:func:`best_subtree`)."""
+    if other.size == 0:
+        return tree
+    lists = []
+    for draft in (tree, other):
+        if draft.scores is not None:
+            lists.append((draft.tokens.tolist(), draft.parents.tolist(), draft.scores.tolist()))
+        elif draft.size == 0:
+            lists.append(([], [], []))
+        else:
+            raise TypeError("only a scored tree (or nothing) can be merged with another")
+    (tokens, parents, scores), (their_tokens, their_parents, their_scores) = lists
     children = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
-    parent = -1
-    for token, p in zip(chain, survival, strict=True):
-        score = math.log(max(p, 1e-12))
+    mapped: list[int] = []  # other's node i is merged node mapped[i]
+    for token, their_parent, score in zip(their_tokens, their_parents, their_scores, strict=True):
+        parent = mapped[their_parent] if their_parent >= 0 else -1
         node = children.get((parent, token))
         if node is None:
             node = len(tokens)
@@ -154,7 +238,7 @@ def graft(tree: Draft, chain: Sequence[int], survival: Sequence[float]) -> Draft
             children[(parent, token)] = node
         else:
             scores[node] = max(scores[node], score)
-        parent = node
+        mapped.append(node)
     return best_subtree(tokens, parents, scores, len(tokens))
 
 
@@ -165,6 +249,16 @@ def _hybrid(heads_cls: type[HeadsProposer]) -> ProposerFactory:
     return build
 
 
+def _suffix_hybrid(heads_cls: type[HeadsProposer]) -> ProposerFactory:
+    def build(spec: SpecConfig, target: CausalLM, draft: CausalLM | None) -> Proposer:
+        return SuffixHybridProposer(heads_cls.build(spec, target), SuffixProposer(spec))
+
+    return build
+
+
 register("eagle+ngram")(_hybrid(EagleProposer))
 register("medusa+ngram")(_hybrid(MedusaProposer))
 register("eagle3+ngram")(_hybrid(Eagle3Proposer))
+register("eagle+suffix")(_suffix_hybrid(EagleProposer))
+register("medusa+suffix")(_suffix_hybrid(MedusaProposer))
+register("eagle3+suffix")(_suffix_hybrid(Eagle3Proposer))

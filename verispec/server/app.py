@@ -27,6 +27,7 @@ from verispec.async_engine import SHUTDOWN_MESSAGE, AsyncEngine, RequestStream
 from verispec.engine import SpecEngine, TokenLogprobs
 from verispec.errors import VerispecError
 from verispec.metrics import SpecStats
+from verispec.server.auth import OPEN_PATHS, Access, RequireKey, cache_scope, tenant_of
 from verispec.server.errors import APIError, BodyLimit, error_body, from_verispec_error, install_handlers
 from verispec.server.metrics import CountRequests, RequestTimer, ServerMetrics
 from verispec.server.protocol import (
@@ -56,6 +57,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorResponse, "description": "Request body too large"},
     429: {"model": ErrorResponse, "description": "Queue full; retry after the Retry-After header's seconds"},
     503: {"model": ErrorResponse, "description": "The engine is not running"},
+}
+_UNAUTHORIZED = {
+    "description": "Missing or unknown API key (a server started with keys; see WWW-Authenticate)",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
 }
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {
     200: {
@@ -93,9 +98,15 @@ def create_app(
     metrics: ServerMetrics | None = None,
     static_dir: Path = STATIC_DIR,
     max_body_bytes: int = MAX_BODY_BYTES,
+    access: Access | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app over ``async_engine`` (which the caller starts and shuts down)."""
+    """The OpenAI-compatible app over ``async_engine`` (which the caller starts and shuts down).
+
+    ``access``: the API keys every route but ``/health`` and ``/`` requires, and how requests share
+    caches (:mod:`verispec.server.auth`); by default anyone may call and every request is private.
+    """
     metrics = metrics or ServerMetrics()
+    metrics.watch_prefix_cache(async_engine.engine.prefix_cache)
     state = _State(async_engine, served_model_name, metrics)
 
     @asynccontextmanager
@@ -179,6 +190,9 @@ def create_app(
         app.mount("/static", StaticFiles(directory=static_dir), name="static")
 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    # Outside the body limit (a caller without a key learns nothing, not even the limit) and inside
+    # the counter (refusals show up in verispec_requests_total{status="401"}).
+    app.add_middleware(RequireKey, access=access or Access())
     app.add_middleware(CountRequests, metrics=metrics, routes=app.router.routes)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -209,7 +223,8 @@ async def _generate(
     reject_unsupported(body)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     timer = RequestTimer(state.metrics, endpoint)
-    prepared: Prepared = await state.on_engine(lambda e: build_request(e, body, request_id))
+    scope = cache_scope(tenant_of(raw), body.user)
+    prepared: Prepared = await state.on_engine(lambda e: build_request(e, body, request_id, scope))
     try:
         stream = await state.async_engine.add_all(prepared.requests)
     except VerispecError as exc:
@@ -361,12 +376,15 @@ async def _client_gone(raw: Request) -> None:
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema without its 422 responses: validation errors are 400s here, as in OpenAI's API."""
+    """FastAPI's schema without its 422 responses (validation errors are 400s here, as in OpenAI's
+    API), and with the 401 of a server with keys on every operation that needs one."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-        for path in schema.get("paths", {}).values():
+        for name, path in schema.get("paths", {}).items():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+                if name not in OPEN_PATHS:
+                    operation.setdefault("responses", {})["401"] = _UNAUTHORIZED
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = schema

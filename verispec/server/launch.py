@@ -14,6 +14,7 @@ import sys
 from verispec.async_engine import AsyncEngine
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
+from verispec.server.auth import Access
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -64,8 +65,10 @@ def serve(
     served_model_name: str,
     *,
     log_level: str = "info",
+    access: Access | None = None,
 ) -> None:
-    """Serve ``engine`` on ``sock`` (from :func:`bind_socket`) until interrupted."""
+    """Serve ``engine`` on ``sock`` (from :func:`bind_socket`) until interrupted; ``access``: the
+    API keys it requires and how requests share caches (:func:`verispec.server.auth.load_access`)."""
     import uvicorn
 
     from verispec.server.app import create_app
@@ -73,7 +76,7 @@ def serve(
     if engine.proposer is not None:
         _ = engine.policy  # measure (or load) step costs now, not on the first request
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, served_model_name)
+    app = create_app(async_engine, served_model_name, access=access)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
@@ -83,6 +86,9 @@ def serve(
         f"OpenAI API under /v1, metrics at /metrics)",
         file=sys.stderr,
     )
+    described = (access or Access()).describe()
+    if described is not None:
+        print(f"verispec: {described}", file=sys.stderr)
     async_engine.start()
     try:
         server.run(sockets=[sock])

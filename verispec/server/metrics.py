@@ -26,6 +26,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from verispec.engine import StepReport
+from verispec.engine.prefix_cache import PrefixCache
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -110,6 +111,19 @@ class ServerMetrics:
             LATENCY_BUCKETS,
             "phase",
         )
+
+    def watch_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Gauges read from the engine's prefix cache at each scrape (plain attribute reads)."""
+        if cache is None:
+            return
+        Gauge(
+            "verispec_prefix_cache_bytes", "Memory held by the prefix cache's blocks", registry=self.registry
+        ).set_function(lambda: cache.nbytes)
+        Gauge(
+            "verispec_prefix_cache_hit_rate",
+            "Prompt tokens taken from the prefix cache / prompt tokens looked up, since start",
+            registry=self.registry,
+        ).set_function(lambda: cache.hits / cache.queried if cache.queried else 0.0)
 
     def observe_step(self, report: StepReport) -> None:
         """A step observer (runs on the engine thread; prometheus_client is thread-safe)."""

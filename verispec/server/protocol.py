@@ -2,7 +2,7 @@
 
 Requests are validated strictly (``"max_tokens": "5"`` or ``"stream": 1`` is a 400, as with OpenAI)
 so that a client bug shows up as an error instead of a silent conversion. Unknown fields are ignored:
-clients send fields this server has no use for (``user``, ``metadata``, ``store``). Values a field
+clients send fields this server has no use for (``metadata``, ``store``). Values a field
 takes that this server does not implement (``best_of`` with ``stream``, say) get a 400 that names
 the field, never a silently different answer.
 Response models describe the non-streaming bodies in the OpenAPI schema; streamed chunks are
@@ -31,6 +31,8 @@ MAX_CHOICES = 128
 """Most choices (``n``) per request, as OpenAI allows."""
 MAX_TOOLS = 128
 """Most tools per request, as OpenAI allows."""
+MAX_USER_CHARS = 1024
+"""The longest ``user``: it becomes part of the request's cache scope, kept with cached entries."""
 
 
 def _integral(value: object) -> object:
@@ -146,6 +148,10 @@ class SamplingRequest(_Strict):
     """verispec extension: per-request speculation settings."""
     structured_outputs: StructuredOutputs | None = None
     """Extension (as in vLLM): constrain the output to a JSON schema, regex, choice or grammar."""
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    """OpenAI's end-user id. Here it narrows which requests share cached prompts and outputs: to
+    those of the same user within the caller's tenant (the API key's). It never widens that: a
+    request of another tenant with the same ``user`` shares nothing. Empty narrows nothing."""
 
 
 class CompletionRequest(SamplingRequest):
@@ -258,10 +264,16 @@ class ChatCompletionRequest(SamplingRequest):
 # --------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache (as OpenAI reports them)."""
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class StatsExtension(BaseModel):

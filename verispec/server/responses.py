@@ -39,11 +39,13 @@ def openai_finish_reason(event: TokenEvent) -> str:
     return "length" if event.finish_reason == "length" else "stop"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage block; ``cached_tokens``: prompt tokens the prefix cache supplied."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -169,7 +171,7 @@ def full_response(
         "created": created,
         "model": model,
         "choices": out,
-        "usage": usage(prompt_tokens, sum(len(events) for events in choices)),
+        "usage": usage(prompt_tokens, sum(len(events) for events in choices), stats.cached_prompt_tokens),
         "verispec": {"stats": stats.to_dict()},
     }
 
@@ -278,7 +280,7 @@ class ChunkWriter:
     def usage(self, prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> str:
         return self._chunk(
             [],
-            usage=usage(prompt_tokens, completion_tokens),
+            usage=usage(prompt_tokens, completion_tokens, stats.cached_prompt_tokens if stats else 0),
             verispec={"stats": (stats or SpecStats()).to_dict()},
         )
 

@@ -134,8 +134,13 @@ def build_request(
     engine: SpecEngine,
     body: CompletionRequest | ChatCompletionRequest,
     request_id: str,
+    cache_scope: str | None = None,
 ) -> Prepared:
-    """Tokenize and validate ``body`` into an engine request (call on the engine thread)."""
+    """Tokenize and validate ``body`` into an engine request (call on the engine thread).
+
+    ``cache_scope``: who the request shares cached prompts and outputs with, from the caller's
+    API key and ``user`` (:func:`verispec.server.auth.cache_scope`), never from the body alone;
+    None keeps it private."""
     asked_by, structured = _structured(body)
     offered = _offered_tools(body) if isinstance(body, ChatCompletionRequest) else None
     if isinstance(body, ChatCompletionRequest):
@@ -200,6 +205,7 @@ def build_request(
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=_logit_bias(body.logit_bias),
             structured=structured,
+            cache_scope=cache_scope,
         )
     except ConfigError as exc:  # a setting or option refused: its field
         raise from_verispec_error(exc) from exc

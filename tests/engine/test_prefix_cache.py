@@ -1,0 +1,211 @@
+"""The prefix cache: blocks found by scope and tokens, evicted least recently used, and reuse that is
+exact (the same output, log-probabilities and random draws as recomputing the prompt)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import needs_smollm2, tiny_llama
+from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.engine.prefix_cache import BLOCK, PrefixCache
+from verispec.models.hf import HFCausalLM
+from verispec.models.kv import KVBuffer
+from verispec.models.quant import quantize_model
+from verispec.proposers import build_proposer
+
+LAYERS, HKV, DIM = 3, 2, 4
+
+
+def filled(tokens: int, seed: int = 0) -> KVBuffer:
+    """A cache holding random keys and values at ``tokens`` positions of every layer."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVBuffer()
+    for layer in range(LAYERS):
+        keys, values = (torch.randn(HKV, tokens, DIM, generator=gen) for _ in range(2))
+        cache.write(layer, 0, keys, values)
+    cache.advance(tokens)
+    return cache
+
+
+def same_positions(a: KVBuffer, b: KVBuffer, n: int) -> bool:
+    return all(
+        torch.equal(x[i][:, :n], y[i][:, :n])
+        for x, y in ((a.keys, b.keys), (a.values, b.values))
+        for i in range(LAYERS)
+    )
+
+
+def test_a_prompt_takes_the_longest_run_of_whole_blocks_it_shares():
+    cache = PrefixCache(10**9)
+    ids = list(range(100, 100 + 3 * BLOCK + 5))
+    source = filled(len(ids))
+    assert cache.keep("a", ids, source) == 3  # the 5 tokens past the last whole block are not kept
+    assert cache.keep("a", ids, source) == 0  # nothing new the second time
+    again = KVBuffer()
+    got = cache.reuse("a", [*ids, 7, 8], again, limit=len(ids) + 1)
+    assert got.tokens == 3 * BLOCK == again.length
+    assert same_positions(source, again, 3 * BLOCK)
+    # a prompt that differs inside the second block reuses the first only
+    other = [*ids[:BLOCK], 1, *ids[BLOCK + 1 :]]
+    assert cache.reuse("a", other, KVBuffer(), limit=len(other)).tokens == BLOCK
+    # the limit keeps the prompt's last token out, block by block
+    assert cache.reuse("a", ids, KVBuffer(), limit=2 * BLOCK + 3).tokens == 2 * BLOCK
+    assert cache.hits == 3 * BLOCK + BLOCK + 2 * BLOCK
+
+
+def test_scopes_never_see_each_others_blocks():
+    cache = PrefixCache(10**9)
+    ids = list(range(2 * BLOCK + 1))
+    cache.keep("tenant-a", ids, filled(len(ids)))
+    assert cache.reuse("tenant-b", ids, KVBuffer(), limit=len(ids) - 1).tokens == 0
+    assert cache.reuse("tenant-a", ids, KVBuffer(), limit=len(ids) - 1).tokens == 2 * BLOCK
+
+
+def test_least_recently_used_blocks_go_first_and_a_prefix_outlives_its_tail():
+    one = filled(BLOCK)
+    block_bytes = sum(t[:, :BLOCK].numel() * 4 for t in (*one.keys.values(), *one.values.values()))
+    cache = PrefixCache(4 * block_bytes)
+    first = list(range(3 * BLOCK))
+    cache.keep("s", first, filled(len(first), seed=1))
+    second = list(range(1000, 1000 + 2 * BLOCK))
+    cache.keep("s", second, filled(len(second), seed=2))
+    assert cache.nbytes <= 4 * block_bytes and len(cache) == 4
+    # the first conversation lost its last block, not its first ones
+    assert cache.reuse("s", [*first, 0], KVBuffer(), limit=len(first)).tokens == 2 * BLOCK
+    assert cache.reuse("s", [*second, 0], KVBuffer(), limit=len(second)).tokens == 2 * BLOCK
+
+
+def test_hidden_rows_travel_with_their_blocks():
+    cache = PrefixCache(10**9)
+    ids = list(range(2 * BLOCK))
+    hidden = torch.randn(2 * BLOCK, 5)
+    cache.keep("s", ids, filled(len(ids)), hidden)
+    got = cache.reuse("s", [*ids, 1], KVBuffer(), limit=len(ids), with_hidden=True)
+    assert got.tokens == 2 * BLOCK and torch.equal(got.hidden, hidden)
+    bare = PrefixCache(10**9)
+    bare.keep("s", ids, filled(len(ids)))
+    assert bare.reuse("s", [*ids, 1], KVBuffer(), limit=len(ids), with_hidden=True).tokens == 0
+
+
+def test_only_an_empty_cache_takes_a_prefix_and_a_zero_budget_keeps_nothing():
+    with pytest.raises(ValueError, match="empty cache"):
+        PrefixCache(10**9).reuse("s", [1, 2], filled(2), limit=1)
+    assert PrefixCache(0).keep("s", list(range(BLOCK)), filled(BLOCK)) == 0
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def int8_target() -> HFCausalLM:
+    model = HFCausalLM(quantize_model(tiny_llama(3, context=1024), "int8"), name="tiny-int8")
+    model.quantization = "int8"
+    return model
+
+
+def engine(target: HFCausalLM, method: str | None, gb: float = 1.0) -> SpecEngine:
+    spec = SpecConfig(method=method, num_speculative_tokens=4, ngram=NgramConfig(3, 1), depth="fixed")  # type: ignore[arg-type]
+    return SpecEngine(
+        target,
+        build_proposer(spec, target, None),
+        spec,
+        scheduler=SchedulerConfig(prefix_cache_gb=gb, prefill_chunk=48),
+    )
+
+
+def conversation(engine: SpecEngine, turns: int, **options) -> list:
+    """A chat-like exchange in token ids: each turn's prompt is the last prompt, the reply and new text."""
+    gens, prompt = [], list(range(5, 45))
+    for turn in range(turns):
+        gen = engine.generate(prompt, max_new_tokens=24, logprobs=2, **options)
+        gens.append(gen)
+        prompt = prompt + gen.token_ids + [60 + turn, 61, 62, 63 + turn]
+    return gens
+
+
+def test_a_position_is_the_same_bits_from_a_prefill_or_a_decode_step(int8_target):
+    assert int8_target.position_invariant
+    ids = list(range(3, 70))
+    whole, stepped = int8_target.new_cache(), int8_target.new_cache()
+    int8_target.forward_batch([whole], [ids], logits_to_keep=[0])
+    for i in range(0, len(ids), 5):
+        int8_target.forward_batch([stepped], [ids[i : i + 5]], logits_to_keep=[1])
+    for layer in whole.keys:
+        assert torch.equal(whole.keys[layer][:, : len(ids)], stepped.keys[layer][:, : len(ids)])
+        assert torch.equal(whole.values[layer][:, : len(ids)], stepped.values[layer][:, : len(ids)])
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_later_turns_reuse_the_conversation_and_change_nothing(int8_target, method, temperature):
+    options = {"temperature": temperature, "seed": 11}
+    cached = conversation(engine(int8_target, method), 3, **options)
+    fresh = conversation(engine(int8_target, method, gb=0.0), 3, **options)
+    for a, b in zip(cached, fresh, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
+        assert [e.top_logprobs for e in a.events] == [e.top_logprobs for e in b.events]
+    assert cached[0].stats.cached_prompt_tokens == 0
+    for later in cached[1:]:  # the earlier prompt and reply came from the cache, whole blocks of them
+        shared = later.stats.prompt_tokens - 4 - 1  # all but the new text and the reply's last token
+        assert later.stats.cached_prompt_tokens == shared // BLOCK * BLOCK > 0
+    assert all(g.stats.cached_prompt_tokens == 0 for g in fresh)
+    if method is not None:
+        assert sum(g.stats.num_accepted for g in cached) > 0
+
+
+def test_private_requests_and_other_scopes_reuse_nothing(int8_target):
+    eng = engine(int8_target, None)
+    prompt = list(range(5, 60))
+    first = eng.generate(prompt, max_new_tokens=8, cache_scope="a")
+    assert eng.generate(prompt, max_new_tokens=8, cache_scope="a").stats.cached_prompt_tokens > 0
+    other = eng.generate(prompt, max_new_tokens=8, cache_scope="b")
+    private = eng.generate(prompt, max_new_tokens=8, cache_scope=None)
+    assert other.stats.cached_prompt_tokens == private.stats.cached_prompt_tokens == 0
+    assert first.token_ids == other.token_ids == private.token_ids
+
+
+def test_prompt_logprobs_are_computed_not_reused(int8_target):
+    eng = engine(int8_target, None)
+    prompt = list(range(5, 60))
+    eng.generate(prompt, max_new_tokens=4)
+    scored = eng.generate(prompt, max_new_tokens=4, prompt_logprobs=1)
+    assert scored.stats.cached_prompt_tokens == 0
+    assert len(scored.prompt_logprobs) == len(prompt)
+
+
+def test_no_prefix_cache_where_reuse_would_not_be_exact(tiny_target, int8_target):
+    assert not tiny_target.position_invariant  # float weights: BLAS sums depend on the rows
+    assert engine(tiny_target, None).prefix_cache is None
+    assert engine(int8_target, None, gb=0.0).prefix_cache is None
+    assert engine(int8_target, None).prefix_cache is not None
+
+
+@needs_smollm2
+@pytest.mark.parametrize("method", ["none", "eagle+ngram", "draft"])
+def test_bundled_chat_turns_are_identical_with_the_cache(method):
+    """SmolLM2's own GGUF blocks: a three-turn chat through its template, the EAGLE heads fed the
+    reused positions' hidden states, a draft model fed the reused tokens."""
+    import verispec
+
+    options = {"draft": "smollm2-135m-instruct"} if method == "draft" else {}
+    cached = verispec.load("smollm2-135m-instruct", method=method, depth="fixed", **options)
+    fresh = verispec.load("smollm2-135m-instruct", method=method, depth="fixed", prefix_cache_gb=0, **options)
+    assert cached.prefix_cache is not None and fresh.prefix_cache is None
+    replies = []
+    for eng in (cached, fresh):
+        messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+        out = []
+        for follow_up in ("Now add a docstring.", "Now add type hints."):
+            gen = eng.chat(messages, max_new_tokens=40, logprobs=1)
+            out.append(gen)
+            messages += [{"role": "assistant", "content": gen.text}, {"role": "user", "content": follow_up}]
+        replies.append(out)
+    for a, b in zip(*replies, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
+    assert replies[0][1].stats.cached_prompt_tokens >= 32
+    if method != "none":
+        assert sum(g.stats.num_accepted for g in replies[0]) > 0
