@@ -68,17 +68,32 @@ class EngineContender:
         if heads is not None:
             self.description["heads"] = heads
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Turn:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, cache_scope: str | None = None) -> Turn:
+        """Streamed, for the time to the first token; in ``cache_scope`` (None: private)."""
         started = time.perf_counter()
-        gen = self.engine.generate(
-            prompt_ids, max_new_tokens=max_new_tokens, temperature=0.0, structured=self.structured
+        first = None
+        events = []
+        stream = self.engine.stream(
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            structured=self.structured,
+            cache_scope=cache_scope,
         )
+        for event in stream:
+            if first is None:
+                first = time.perf_counter() - started
+            events.append(event)
         seconds = time.perf_counter() - started
+        stats = events[-1].stats
+        assert stats is not None, "the engine's last event carries the generation's stats"
         return Turn(
             prompt_tokens=len(prompt_ids),
-            token_ids=list(gen.token_ids),
+            token_ids=[event.token_id for event in events],
             seconds=seconds,
-            counts=SpecCounts.from_stats(gen.stats),
+            counts=SpecCounts.from_stats(stats),
+            ttft=first,
+            cached_prompt_tokens=stats.cached_prompt_tokens,
         )
 
 

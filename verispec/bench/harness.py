@@ -46,7 +46,7 @@ from verispec.bench.contenders import Contender, EngineContender, Skipped, engin
 from verispec.bench.datasets import BenchPrompt, load_dataset
 from verispec.bench.hf_baselines import HF_BASELINES, hf_contender
 from verispec.bench.llamacpp_baselines import llamacpp_contender
-from verispec.bench.records import RECORDS_FILE, PromptRecord, RecordLog, SpecCounts, Turn
+from verispec.bench.records import RECORDS_FILE, PromptRecord, RecordLog, Turn
 from verispec.bench.settings import WARMUP_PROMPT, BenchSettings
 from verispec.config import SpecConfig
 from verispec.engine import SpecEngine
@@ -300,35 +300,11 @@ def run_prompt(
 def generate_turn(
     contender: Contender, prompt_ids: list[int], max_new_tokens: int, cache_scope: str | None = None
 ) -> Turn:
-    """One timed generation. verispec's methods stream it, for the time to the first token, in
-    ``cache_scope``; the other tools' contenders time the whole call only and have no scope."""
-    if not isinstance(contender, EngineContender):
-        return contender.generate(prompt_ids, max_new_tokens)
-    started = time.perf_counter()
-    first = None
-    events = []
-    stream = contender.engine.stream(
-        prompt_ids,
-        max_new_tokens=max_new_tokens,
-        temperature=0.0,
-        structured=contender.structured,
-        cache_scope=cache_scope,
-    )
-    for event in stream:
-        if first is None:
-            first = time.perf_counter() - started
-        events.append(event)
-    seconds = time.perf_counter() - started
-    stats = events[-1].stats
-    assert stats is not None, "the engine's last event carries the generation's stats"
-    return Turn(
-        prompt_tokens=len(prompt_ids),
-        token_ids=[event.token_id for event in events],
-        seconds=seconds,
-        counts=SpecCounts.from_stats(stats),
-        ttft=first,
-        cached_prompt_tokens=getattr(stats, "cached_prompt_tokens", None),
-    )
+    """One timed generation: verispec's methods in ``cache_scope`` (with their time to the first
+    token); the other tools' contenders time the whole call only and have no scope."""
+    if isinstance(contender, EngineContender):
+        return contender.generate(prompt_ids, max_new_tokens, cache_scope)
+    return contender.generate(prompt_ids, max_new_tokens)
 
 
 def measure(
