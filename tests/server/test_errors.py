@@ -344,6 +344,7 @@ def test_a_model_without_tokenizer_takes_token_ids_only(tiny_target):
             "prompt_tokens": 3,
             "completion_tokens": 4,
             "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         text = assert_error(post(server, "/v1/completions", {"prompt": "hello"}), 400, "prompt")
         assert "token ids" in text["message"]

@@ -3,6 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}``, ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /`` (the web
 page, ``verispec/server/static/index.html``, when installed), ``GET /docs`` (the OpenAPI schema).
+With API keys (``--api-key``, ``--api-keys-file``) every route but ``/health`` and ``/`` needs one
+(:mod:`verispec.server.auth`); the key's tenant, narrowed by the body's ``user``, is the request's
+cache scope: the prefix cache and suffix decoding's earlier outputs are shared only within it.
 
 Extensions to OpenAI's request bodies (the openai client sends them through ``extra_body``):
 
@@ -62,7 +65,8 @@ Stream format (``"stream": true``), server-sent events, each ``data: <json>\\n\\
    (a stop string or the model's end-of-sequence token), ``"length"`` (``max_tokens`` reached) or,
    with tools, ``"tool_calls"``;
 4. with ``"stream_options": {"include_usage": true}``: a chunk with ``"choices": []``,
-   ``"usage": {"prompt_tokens", "completion_tokens", "total_tokens"}`` and
+   ``"usage": {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details":
+   {"cached_tokens"}}`` and
    ``"verispec": {"stats": {...}}`` (as in non-streaming responses);
 5. ``data: [DONE]``.
 
@@ -70,7 +74,8 @@ If generation fails after the stream started, an ``{"error": {"message", "type",
 event replaces the remaining chunks, followed by ``data: [DONE]``.
 
 Errors before a response starts are OpenAI's: status 400 (``invalid_request_error``; bad JSON, wrong
-or missing fields, a prompt or ``max_tokens`` over the context), 404 ``model_not_found``, 413 (body
+or missing fields, a prompt or ``max_tokens`` over the context), 401 (a missing or unknown API key,
+with ``WWW-Authenticate: Bearer``), 404 ``model_not_found``, 413 (body
 too large), 429 with ``Retry-After`` (queue full), 503 (engine stopped), as
 ``{"error": {"message", "type", "param", "code"}}``.
 """
