@@ -9,6 +9,7 @@ from ever ending early, so lengths in the tests are exact.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -174,3 +175,16 @@ def await_cli_server(proc: subprocess.Popen[str], seconds: float) -> tuple[str, 
             pass
         assert time.monotonic() < deadline and proc.poll() is None, "the server did not come up"
         time.sleep(0.1)
+
+
+def stop_cli_server(proc: subprocess.Popen[str]) -> str:
+    """Stop a ``verispec serve`` subprocess as Ctrl-C does; its stderr after start-up. It must end
+    cleanly (0, or 130 for the interrupt)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, rest = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode in (0, 130), rest
+    return rest

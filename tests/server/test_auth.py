@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 
-from tests.server.harness import LiveServer, await_cli_server, tiny_pair, tiny_server
+from tests.server.harness import LiveServer, await_cli_server, stop_cli_server, tiny_pair, tiny_server
 from tests.server.test_cli_serve import assert_one_line_error, run_serve
 from verispec.engine import Request
 from verispec.errors import VerispecError
@@ -411,10 +410,5 @@ def test_serve_requires_the_keys_of_its_flags_file_and_environment(tmp_path: Pat
             reply = client.completions.create(model="tiny-chat", prompt="hello", max_tokens=3)
             assert reply.usage is not None and reply.usage.completion_tokens == 3
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, rest = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode in (0, 130) and "Traceback" not in rest, rest
+        rest = stop_cli_server(proc)
+    assert "Traceback" not in rest, rest

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import await_cli_server, tiny_pair
+from tests.server.harness import await_cli_server, stop_cli_server, tiny_pair
 from verispec.server import cap_malloc_arenas
 
 
@@ -106,11 +105,5 @@ def test_serves_with_speculation_by_default_until_interrupted(model_folder, tmp_
         assert reply.usage.completion_tokens == 6
         assert reply.model_extra["verispec"]["stats"]["output_tokens"] == 6
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, rest = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode in (0, 130), rest
+        rest = stop_cli_server(proc)
     assert "Traceback" not in rest
