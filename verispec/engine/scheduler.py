@@ -126,10 +126,10 @@ class Scheduler:
         if self.prefix is None or scope is None or not seq.reuse_checked:
             return
         hidden = None
-        if seq.hidden_rows is not None:
-            hidden = torch.cat(seq.hidden_rows) if seq.hidden_rows else None
-            if hidden is None:
+        if seq.hidden_rows is not None:  # the engine keeps hidden rows: blocks need theirs
+            if not seq.hidden_rows:
                 return
+            hidden = torch.cat(seq.hidden_rows)
         self.prefix.keep(scope, seq.token_ids, seq.cache, hidden)
 
     def has_work(self) -> bool:
