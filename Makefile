@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt requirements/models.txt requi
 	$(PIP) --no-deps -r requirements/interop.txt
 	touch $@
 
-# No method named: the default setup (the 1.5B's shipped EAGLE heads plus prompt lookup, adaptive depth).
+# No method named: the default setup (the 1.5B's shipped EAGLE heads plus suffix decoding, adaptive depth).
 demo: setup
 	$(VENV)/bin/verispec generate --target qwen2.5-coder-1.5b-instruct \
 	    --chat --prompt "$(PROMPT)" --max-new-tokens 96 --show-drafts --compare-plain

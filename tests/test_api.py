@@ -14,8 +14,8 @@ from verispec.heads.eagle import EagleConfig, EagleDrafter
 from verispec.heads.identity import identify
 from verispec.heads.io import save_heads, shipped_heads
 from verispec.models.hf import HFCausalLM
-from verispec.proposers.hybrid import HybridProposer
-from verispec.proposers.ngram import NgramProposer
+from verispec.proposers.hybrid import SuffixHybridProposer
+from verispec.proposers.suffix import SuffixProposer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,34 +37,34 @@ def ship_eagle_heads(root: Path, name: str, model: HFCausalLM) -> None:
     save_heads(root / name / "eagle", "eagle", drafter, identify(model), None)
 
 
-def test_without_shipped_heads_the_default_is_prompt_lookup(tiny_target):
+def test_without_shipped_heads_the_default_is_suffix_decoding(tiny_target):
     assert shipped_heads(tiny_target.name, "eagle") is None
-    assert default_method(tiny_target) == "ngram"
+    assert default_method(tiny_target) == "suffix"
 
 
 def test_a_given_draft_model_is_the_default(tiny_target):
     assert default_method(tiny_target, draft="some-draft") == "draft"
 
 
-def test_shipped_eagle_heads_make_eagle_with_lookup_the_default(tiny_target, tmp_path, monkeypatch):
+def test_shipped_eagle_heads_make_eagle_with_suffix_decoding_the_default(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setattr("verispec.heads.io.SHIPPED_DIR", tmp_path)
     ship_eagle_heads(tmp_path, tiny_target.name, tiny_target)
-    assert default_method(tiny_target) == "eagle+ngram"
+    assert default_method(tiny_target) == "eagle+suffix"
     assert default_method(tiny_target, draft="some-draft") == "draft"
 
 
 def test_heads_shipped_under_the_name_of_another_model_are_passed_over(tiny_target, tmp_path, monkeypatch):
     """A local folder may carry a bundled model's name: its heads would be refused at load, so the
-    default falls back to prompt lookup instead of failing where nothing was asked for."""
+    default falls back to suffix decoding instead of failing where nothing was asked for."""
     monkeypatch.setattr("verispec.heads.io.SHIPPED_DIR", tmp_path)
     ship_eagle_heads(tmp_path, tiny_target.name, HFCausalLM(tiny_llama(5), name="another"))
-    assert default_method(tiny_target) == "ngram"
+    assert default_method(tiny_target) == "suffix"
 
 
 def test_given_heads_set_the_default(tiny_target, tmp_path):
     ship_eagle_heads(tmp_path, "mine", tiny_target)
-    assert default_method(tiny_target, heads=tmp_path / "mine") == "eagle+ngram"
-    assert default_method(tiny_target, heads=tmp_path / "mine" / "eagle") == "eagle+ngram"
+    assert default_method(tiny_target, heads=tmp_path / "mine") == "eagle+suffix"
+    assert default_method(tiny_target, heads=tmp_path / "mine" / "eagle") == "eagle+suffix"
     with pytest.raises(VerispecError, match="no eagle or medusa heads"):
         default_method(tiny_target, heads=tmp_path)
 
@@ -76,7 +76,7 @@ def test_the_bundled_targets_with_heads_have_eagle_heads_shipped(name):
 
 def test_load_without_a_method_speculates_and_equals_plain(tiny_folder, flat_costs):
     engine = verispec.load(tiny_folder, costs=flat_costs)
-    assert engine.spec.method == "ngram" and isinstance(engine.proposer, NgramProposer)
+    assert engine.spec.method == "suffix" and isinstance(engine.proposer, SuffixProposer)
     assert engine.spec.depth == "adaptive"
     spec = engine.generate(PROMPT, max_new_tokens=32)
     plain = engine.plain_engine().generate(PROMPT, max_new_tokens=32)
@@ -89,7 +89,7 @@ def test_load_takes_shipped_eagle_heads_by_default(tiny_folder, flat_costs, tmp_
     monkeypatch.setattr("verispec.heads.io.SHIPPED_DIR", tmp_path)
     ship_eagle_heads(tmp_path, tiny_folder.name, HFCausalLM(tiny_llama(0), name="tiny"))
     engine = verispec.load(tiny_folder, costs=flat_costs)
-    assert engine.spec.method == "eagle+ngram" and isinstance(engine.proposer, HybridProposer)
+    assert engine.spec.method == "eagle+suffix" and isinstance(engine.proposer, SuffixHybridProposer)
     spec = engine.generate(PROMPT, max_new_tokens=32)
     assert spec.token_ids == engine.plain_engine().generate(PROMPT, max_new_tokens=32).token_ids
     assert spec.stats.num_drafted > 0
@@ -116,4 +116,4 @@ def test_an_unknown_method_is_refused_before_any_model_loads():
 @pytest.mark.slow
 def test_smollm2_gets_its_shipped_eagle_heads_with_lookup_by_default():
     engine = verispec.load("smollm2-135m-instruct")
-    assert engine.spec.method == "eagle+ngram" and isinstance(engine.proposer, HybridProposer)
+    assert engine.spec.method == "eagle+suffix" and isinstance(engine.proposer, SuffixHybridProposer)

@@ -62,7 +62,8 @@ def test_generate_with_penalties_matches_plain(tiny_folders):
 
 
 REPEATING = "5 17 42 8 9 5 17 42 8 9 5 17 42"
-"""A prompt whose tail occurred before in it: prompt lookup has a continuation to draft at once."""
+"""A prompt whose tail occurred before in it: prompt lookup and suffix decoding have a continuation to
+draft at once."""
 
 
 def test_generate_without_a_method_speculates_by_default(tiny_folders, flat_costs):
@@ -73,7 +74,7 @@ def test_generate_without_a_method_speculates_by_default(tiny_folders, flat_cost
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["method"] == "ngram" and result["method_by_default"] is True
+    assert result["method"] == "suffix" and result["method_by_default"] is True
     assert result["depth_policy"] == "adaptive" and result["num_speculative_tokens"] == 5
     assert result["stats"]["drafted"] > 0
     assert result["matches_plain"] is True
@@ -82,7 +83,7 @@ def test_generate_without_a_method_speculates_by_default(tiny_folders, flat_cost
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        ([], "method ngram (default), adaptive depth up to k=5 | "),
+        ([], "method suffix (default), adaptive depth up to k=5 | "),
         (["--method", "ngram", "--depth-policy", "fixed", "-k", "3"], "method ngram, fixed k=3 | "),
         (["--method", "none"], "method none (plain decoding) | "),
     ],

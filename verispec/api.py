@@ -52,27 +52,29 @@ def default_method(
     a batch too large to gain. So the default speculates with whatever the target has:
 
     - a draft model, when one is given: naming one says how to draft;
-    - an EAGLE-3 drafter (speculators or research format) plus prompt lookup, when ``heads`` is one;
-    - EAGLE heads plus prompt lookup, when heads are given or shipped for this very target: on the
-      1.5B they were the fastest method on HumanEval and Spec-Bench alike
-      (``docs/results/qwen2.5-coder-1.5b-learned-drafters/``),
-      the heads drafting everywhere and lookup the long runs an answer copies from its context
-      (given Medusa heads alone: Medusa plus prompt lookup);
-    - prompt lookup otherwise: it needs nothing trained, costs no forward pass to draft, and pays
-      where an answer repeats its prompt (code, edits, summaries).
+    - an EAGLE-3 drafter (speculators or research format) plus suffix decoding, when ``heads`` is one;
+    - EAGLE heads plus suffix decoding, when heads are given or shipped for this very target: the
+      heads draft everywhere and suffix decoding the runs an answer copies from its prompt, its own
+      text or (within the request's cache scope) earlier answers. On the 1.5B under the adaptive
+      policy this was the fastest setup on HumanEval and Spec-Bench alike, a few percent ahead of
+      the heads plus prompt lookup (``docs/results/zen4-qwen2.5-coder-1.5b-native-gguf/``); given
+      Medusa heads alone: Medusa plus suffix decoding;
+    - suffix decoding otherwise: it needs nothing trained, costs no forward pass to draft, and pays
+      where an answer repeats its prompt or earlier answers (code, edits, summaries, tool calls); it
+      finds what prompt lookup finds and scores its trees by how often a continuation followed.
     """
     if draft is not None:
         return "draft"
     if heads is not None:
         if is_eagle3_folder(Path(heads).expanduser()):
-            return "eagle3+ngram"
+            return "eagle3+suffix"
         kinds = heads_kinds_in(heads)
         if not kinds:
             raise VerispecError(f"no eagle or medusa heads in {heads} (nor in its eagle/ or medusa/)")
-        return "eagle+ngram" if "eagle" in kinds else "medusa+ngram"
+        return "eagle+suffix" if "eagle" in kinds else "medusa+suffix"
     if shipped_heads_fit(target, "eagle"):
-        return "eagle+ngram"
-    return "ngram"
+        return "eagle+suffix"
+    return "suffix"
 
 
 def _requested(method: MethodChoice | None) -> str | None:

@@ -289,7 +289,7 @@ class SpecConfig(_Checked):
     (medusa+suffix, eagle+suffix, eagle3+suffix); None decodes plainly (``none`` on the command line
     and in ``verispec.load``). Asking for ``auto`` lets
     :func:`verispec.api.default_method` pick for the target: draft with a draft model, else
-    eagle+ngram where EAGLE heads are shipped or given, else ngram."""
+    eagle+suffix where EAGLE heads are shipped or given, else suffix."""
     num_speculative_tokens: int = bounded(5, ge=1, le=MAX_SPECULATIVE_TOKENS)
     """k: the most draft tokens proposed per sequence and step."""
     ngram: NgramConfig = field(default_factory=NgramConfig)

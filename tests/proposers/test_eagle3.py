@@ -162,7 +162,7 @@ def test_the_method_needs_a_folder_and_is_the_default_for_one(tmp_path, counting
     with pytest.raises(VerispecError, match="method eagle3 needs --heads DIR"):
         build_proposer(SpecConfig(method="eagle3"), counting_target, None)
     folder = saved(tmp_path, counting_drafter(counting_target))
-    assert default_method(counting_target, None, folder) == "eagle3+ngram"
+    assert default_method(counting_target, None, folder) == "eagle3+suffix"
     (tmp_path / "not").mkdir()
     (tmp_path / "not" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(VerispecError, match="not a verispec heads config"):

@@ -73,7 +73,7 @@ def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
 
 
 def test_serves_with_speculation_by_default_until_interrupted(model_folder, tmp_path, flat_costs):
-    """No method named: the server speculates (prompt lookup here, no heads being shipped for this
+    """No method named: the server speculates (suffix decoding here, no heads being shipped for this
     model) under the adaptive depth policy, and a request may still turn speculation off."""
     env = {**os.environ, "VERISPEC_CACHE": str(tmp_path / "cache")}
     command = [
@@ -84,12 +84,12 @@ def test_serves_with_speculation_by_default_until_interrupted(model_folder, tmp_
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url, line = await_cli_server(proc, 60)
-        assert "serving tiny-chat at" in line and "method ngram, adaptive depth up to k=5" in line
+        assert "serving tiny-chat at" in line and "method suffix, adaptive depth up to k=5" in line
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-chat"]
         card = httpx.get(f"{url}/v1/models").json()["data"][0]["verispec"]
-        assert card["method"] == "ngram" and card["depth_policy"] == "adaptive"
-        prompt = "hello world hello world hello world hello world"  # lookup has a continuation at once
+        assert card["method"] == "suffix" and card["depth_policy"] == "adaptive"
+        prompt = "hello world hello world hello world hello world"  # a continuation to draft at once
         spec, plain = (
             client.completions.create(
                 model="tiny-chat", prompt=prompt, max_tokens=12, extra_body={"speculation": {"enabled": on}}
