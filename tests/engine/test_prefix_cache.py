@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import needs_smollm2, tiny_llama
+from tests.conftest import needs_smollm2, perturbed, tiny_llama
 from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
-from verispec.engine.prefix_cache import BLOCK, PrefixCache
+from verispec.engine.prefix_cache import BLOCK, DRAFT, PrefixCache
+from verispec.models.base import BatchOutput
 from verispec.models.hf import HFCausalLM
 from verispec.models.kv import KVBuffer
 from verispec.models.quant import quantize_model
@@ -89,6 +90,20 @@ def test_hidden_rows_travel_with_their_blocks():
     assert bare.reuse("s", [*ids, 1], KVBuffer(), limit=len(ids), with_hidden=True).tokens == 0
 
 
+def test_a_draft_models_blocks_are_apart_from_the_targets_and_not_counted_as_hits():
+    cache = PrefixCache(10**9)
+    ids = list(range(2 * BLOCK + 1))
+    target, draft = filled(len(ids), seed=1), filled(len(ids), seed=2)
+    cache.keep("s", ids, target)
+    assert cache.reuse("s", ids, KVBuffer(), limit=len(ids) - 1, part=DRAFT).tokens == 0
+    assert cache.keep("s", ids, draft, part=DRAFT) == 2  # same scope and tokens: blocks of its own
+    mine, theirs = KVBuffer(), KVBuffer()
+    assert cache.reuse("s", ids, mine, limit=len(ids) - 1, part=DRAFT).tokens == 2 * BLOCK
+    assert cache.reuse("s", ids, theirs, limit=len(ids) - 1).tokens == 2 * BLOCK
+    assert same_positions(draft, mine, 2 * BLOCK) and same_positions(target, theirs, 2 * BLOCK)
+    assert cache.hits == 2 * BLOCK and cache.queried == len(ids) - 1  # the one lookup of the target
+
+
 def test_only_an_empty_cache_takes_a_prefix_and_a_zero_budget_keeps_nothing():
     with pytest.raises(ValueError, match="empty cache"):
         PrefixCache(10**9).reuse("s", [1, 2], filled(2), limit=1)
@@ -105,14 +120,35 @@ def int8_target() -> HFCausalLM:
     return model
 
 
-def engine(target: HFCausalLM, method: str | None, gb: float = 1.0) -> SpecEngine:
+@pytest.fixture(scope="module")
+def int8_draft() -> HFCausalLM:
+    """A draft that agrees with :func:`int8_target` often but not always, on int8 weights too."""
+    model = HFCausalLM(quantize_model(perturbed(tiny_llama(3, context=1024), 0.02, 5), "int8"), name="tiny-d")
+    model.quantization = "int8"
+    return model
+
+
+def engine(
+    target: HFCausalLM, method: str | None, gb: float = 1.0, draft: HFCausalLM | None = None
+) -> SpecEngine:
     spec = SpecConfig(method=method, num_speculative_tokens=4, ngram=NgramConfig(3, 1), depth="fixed")  # type: ignore[arg-type]
     return SpecEngine(
         target,
-        build_proposer(spec, target, None),
+        build_proposer(spec, target, draft),
         spec,
         scheduler=SchedulerConfig(prefix_cache_gb=gb, prefill_chunk=48),
     )
+
+
+class CountingRows:
+    """Counts the tokens a model is fed (wraps its ``forward_batch``)."""
+
+    def __init__(self, model: HFCausalLM) -> None:
+        self.inner, self.tokens = model.forward_batch, 0
+
+    def __call__(self, caches: list[KVBuffer], tokens: list[list[int]], **kwargs: object) -> BatchOutput:
+        self.tokens += sum(len(row) for row in tokens)
+        return self.inner(caches, tokens, **kwargs)  # type: ignore[arg-type]
 
 
 def conversation(engine: SpecEngine, turns: int, **options) -> list:
@@ -156,6 +192,29 @@ def test_later_turns_reuse_the_conversation_and_change_nothing(int8_target, meth
         assert sum(g.stats.num_accepted for g in cached) > 0
 
 
+def test_a_draft_model_takes_its_own_keys_and_values_from_the_cache_and_drafts_the_same(
+    int8_target, int8_draft, monkeypatch
+):
+    """Its positions are reused like the target's (no prefill of them), and exactly: every turn
+    drafts and accepts the very tokens it did when the draft computed its whole prompt."""
+    assert int8_draft.position_invariant
+    fed = CountingRows(int8_draft)
+    monkeypatch.setattr(int8_draft, "forward_batch", fed)
+    cached_engine = engine(int8_target, "draft", draft=int8_draft)
+    cached = conversation(cached_engine, 3, temperature=1.0, seed=3)
+    cached_fed, fed.tokens = fed.tokens, 0
+    fresh = conversation(engine(int8_target, "draft", gb=0.0, draft=int8_draft), 3, temperature=1.0, seed=3)
+    for a, b in zip(cached, fresh, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
+        assert (a.stats.num_drafted, a.stats.num_accepted) == (b.stats.num_drafted, b.stats.num_accepted)
+    assert sum(g.stats.num_accepted for g in cached) > 0
+    # the draft skipped the positions the target reused, but for the last block of an earlier turn
+    # where the draft's cache held a token fewer (a fully accepted draft's last token is never fed)
+    reused, skipped = sum(g.stats.cached_prompt_tokens for g in cached), fed.tokens - cached_fed
+    assert 0 < reused - 2 * BLOCK <= skipped <= reused
+
+
 def test_private_requests_and_other_scopes_reuse_nothing(int8_target):
     eng = engine(int8_target, None)
     prompt = list(range(5, 60))
@@ -187,7 +246,8 @@ def test_no_prefix_cache_where_reuse_would_not_be_exact(tiny_target, int8_target
 @pytest.mark.parametrize("method", ["none", "eagle+ngram", "draft"])
 def test_bundled_chat_turns_are_identical_with_the_cache(method):
     """SmolLM2's own GGUF blocks: a three-turn chat through its template, the EAGLE heads fed the
-    reused positions' hidden states, a draft model fed the reused tokens."""
+    reused positions' hidden states, a draft model (SmolLM2's own GGUF again) its reused keys and
+    values. Each proposer drafts exactly what it drafted without the cache."""
     import verispec
 
     options = {"draft": "smollm2-135m-instruct"} if method == "draft" else {}
@@ -206,6 +266,7 @@ def test_bundled_chat_turns_are_identical_with_the_cache(method):
     for a, b in zip(*replies, strict=True):
         assert a.token_ids == b.token_ids
         assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
+        assert (a.stats.num_drafted, a.stats.num_accepted) == (b.stats.num_drafted, b.stats.num_accepted)
     assert replies[0][1].stats.cached_prompt_tokens >= 32
     if method != "none":
         assert sum(g.stats.num_accepted for g in replies[0]) > 0

@@ -12,9 +12,11 @@ attention, :attr:`~verispec.models.hf.HFCausalLM.position_invariant`), a reused 
 very bits the new sequence would have computed, whether an earlier prefill or an earlier decode
 step wrote it: output and log-probabilities are identical with and without the cache. Other paths
 (float weights through BLAS, int4's many-row prompt kernel, CUDA) keep no prefix cache. What a
-proposer keeps is rebuilt from the same material: the target's hidden rows are stored beside the
-keys where the engine hands hidden states to a proposer (EAGLE, Medusa) or a tap, and a draft model
-is fed the reused tokens as its prefill would have fed them.
+proposer keeps is reused or rebuilt from the same material: the target's hidden rows are stored
+beside the keys where the engine hands hidden states to a proposer (EAGLE, Medusa) or a tap; a draft
+model's own keys and values are blocks of their own (:data:`DRAFT`), under the same keys and budget,
+where the draft is exact to reuse too (:meth:`~verispec.proposers.base.Proposer.prefix_kv`), and
+otherwise it is fed the reused tokens as its prefill would have fed them.
 
 **Keys.** A block is found by a hash chained over the scope and every token up to its end
 (``h_i = H(h_{i-1}, tokens of block i)``, ``h_{-1} = H(scope)``), as vLLM's automatic prefix
@@ -43,6 +45,10 @@ from verispec.models.kv import KVBuffer
 BLOCK = 16
 """Tokens per block: a later prompt reuses whole blocks, so at most BLOCK - 1 shared tokens are
 recomputed; smaller blocks cost more hashing and more tensors per token."""
+
+TARGET, DRAFT = "", "draft"
+"""Whose positions a block holds (the ``part`` of :meth:`PrefixCache.reuse` and :meth:`PrefixCache.keep`):
+the target's, or a draft model's. The part enters the first hash of the chain, so the two never mix."""
 
 
 @dataclass(eq=False)
@@ -80,17 +86,26 @@ class PrefixCache:
         return len(self._blocks)
 
     def reuse(
-        self, scope: str, token_ids: Sequence[int], cache: KVBuffer, limit: int, *, with_hidden: bool = False
+        self,
+        scope: str,
+        token_ids: Sequence[int],
+        cache: KVBuffer,
+        limit: int,
+        *,
+        with_hidden: bool = False,
+        part: str = TARGET,
     ) -> Reused:
-        """Fill the empty ``cache`` with the longest run of cached blocks that starts ``token_ids``,
-        at most ``limit`` positions (the engine keeps the prompt's last token to feed itself);
-        ``with_hidden``: only blocks that kept their hidden rows."""
+        """Fill the empty ``cache`` with the longest run of cached blocks of ``part`` that starts
+        ``token_ids``, at most ``limit`` positions (the engine keeps the prompt's last token to feed
+        itself); ``with_hidden``: only blocks that kept their hidden rows. :attr:`hits` and
+        :attr:`queried` count the target's lookups."""
         if cache.length:
             raise ValueError("a prefix is reused into an empty cache only")
-        self.queried += max(0, limit)
+        if part == TARGET:
+            self.queried += max(0, limit)
         found: list[_Block] = []
         keys_found: list[bytes] = []
-        for key, tokens in _chain(scope, token_ids, limit // BLOCK):
+        for key, tokens in _chain(scope, token_ids, limit // BLOCK, part):
             block = self._blocks.get(key)
             if block is None or block.tokens != tokens or (with_hidden and block.hidden is None):
                 break
@@ -106,7 +121,8 @@ class PrefixCache:
             cache.write(layer, 0, keys[layer], values[layer])
         n = len(found) * BLOCK
         cache.advance(n)
-        self.hits += n
+        if part == TARGET:
+            self.hits += n
         hidden = None
         if with_hidden:
             hidden = torch.cat([b.hidden for b in found if b.hidden is not None])
@@ -118,8 +134,11 @@ class PrefixCache:
         token_ids: Sequence[int],
         cache: KVBuffer,
         hidden: torch.Tensor | None = None,
+        *,
+        part: str = TARGET,
     ) -> int:
-        """Store the whole blocks of ``cache`` that are not stored yet; returns how many were new.
+        """Store the whole blocks of ``cache`` (``part``'s positions) that are not stored yet;
+        returns how many were new.
 
         ``token_ids`` are the tokens at the cache's positions (at least ``cache.length`` of them;
         only full blocks of positions the cache holds are kept). ``hidden``: their hidden rows, one
@@ -129,7 +148,7 @@ class PrefixCache:
         held = min(cache.length, len(token_ids))
         if hidden is not None:
             held = min(held, hidden.shape[0])
-        chain = list(_chain(scope, token_ids, held // BLOCK))
+        chain = list(_chain(scope, token_ids, held // BLOCK, part))
         new = [(i, key, tokens) for i, (key, tokens) in enumerate(chain) if key not in self._blocks]
         if not new:
             for key, _ in reversed(chain):
@@ -166,10 +185,14 @@ class PrefixCache:
             self.nbytes -= block.nbytes
 
 
-def _chain(scope: str, token_ids: Sequence[int], blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
+def _chain(
+    scope: str, token_ids: Sequence[int], blocks: int, part: str = TARGET
+) -> list[tuple[bytes, tuple[int, ...]]]:
     """The first ``blocks`` blocks of ``token_ids``: each one's chained key and its tokens."""
     ids = np.asarray(token_ids[: blocks * BLOCK], dtype=np.int64)
-    digest = hashlib.blake2b(scope.encode(), digest_size=16, person=b"verispec-prefix").digest()
+    digest = hashlib.blake2b(
+        scope.encode(), digest_size=16, person=b"verispec-prefix", salt=part.encode()
+    ).digest()
     out = []
     for i in range(blocks):
         chunk = ids[i * BLOCK : (i + 1) * BLOCK]

@@ -19,7 +19,7 @@ import torch
 
 from verispec.config import SchedulerConfig
 from verispec.detok import IncrementalDetokenizer
-from verispec.engine.prefix_cache import PrefixCache
+from verispec.engine.prefix_cache import DRAFT, PrefixCache
 from verispec.engine.state import Request, SeqState
 from verispec.errors import QueueFullError, VerispecError
 from verispec.models.base import CausalLM
@@ -121,7 +121,8 @@ class Scheduler:
         seq.cache = self.target.new_cache()  # drop the KV memory now, not when the caller lets go
 
     def keep_prefix(self, seq: SeqState) -> None:
-        """Store ``seq``'s cached positions in the prefix cache, where it has one and a scope."""
+        """Store ``seq``'s cached positions in the prefix cache, where it has one and a scope, and
+        the proposer's own (a draft model's) where it has positions exact to reuse."""
         scope = seq.request.cache_scope
         if self.prefix is None or scope is None or not seq.reuse_checked:
             return
@@ -131,6 +132,10 @@ class Scheduler:
                 return
             hidden = torch.cat(seq.hidden_rows)
         self.prefix.keep(scope, seq.token_ids, seq.cache, hidden)
+        if self.proposer is not None and seq.proposer_state is not None:
+            own = self.proposer.prefix_kv(seq.proposer_state)
+            if own is not None:
+                self.prefix.keep(scope, seq.token_ids, own, part=DRAFT)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -31,6 +31,7 @@ from verispec.costs import synchronize
 from verispec.engine.commit import commit_tokens, token_logprobs
 from verispec.engine.drafting import Drafting
 from verispec.engine.hooks import HiddenTap, StepCosts
+from verispec.engine.prefix_cache import DRAFT
 from verispec.engine.scheduler import Scheduler
 from verispec.engine.state import RequestOutput, SeqState, StepReport
 from verispec.errors import VerispecError
@@ -131,7 +132,8 @@ class Step:
     def _reuse(self, seqs: list[SeqState]) -> list[RequestOutput]:
         """Before a sequence's first chunk: take the longest prefix of its prompt that the prefix
         cache holds for its scope, and give the proposer and the tap what the prefill of those
-        tokens would have given them (their hidden rows; a draft model is fed the tokens)."""
+        tokens would have given them (their hidden rows; a draft model its own cached positions
+        where the cache holds them, and is fed the rest of the tokens)."""
         (seq,) = seqs
         seq.reuse_checked = True
         prefix, scope = self.scheduler.prefix, seq.request.cache_scope
@@ -153,8 +155,12 @@ class Step:
             if self.proposer is not None and self.proposer.needs_hidden:
                 self.proposer.prefill(seq.proposer_state, reused.hidden)
         if self.proposer is not None and self.drafting.feeds_draft(seq):
+            own = self.proposer.prefix_kv(seq.proposer_state)
+            fed = 0
+            if own is not None:
+                fed = prefix.reuse(scope, seq.token_ids, own, limit=reused.tokens, part=DRAFT).tokens
             chunk = self.scheduler.config.prefill_chunk
-            for start in range(0, reused.tokens, chunk):
+            for start in range(fed, reused.tokens, chunk):
                 end = min(start + chunk, reused.tokens)
                 self.proposer.prefill_tokens([seq.proposer_state], [seq.token_ids[start:end]])
         return []

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.models.kv import KVBuffer
     from verispec.penalties import RequestRules
 
 
@@ -114,6 +115,14 @@ class Proposer(ABC):
         (:meth:`~verispec.engine.drafting.Drafting.feeds_draft`). A proposer with a model of its own
         (a draft model) feeds them too, so its first proposal has only the last prompt token to
         catch up on; the other sequences catch up later, if ever, in one pass priced as a backlog."""
+
+    def prefix_kv(self, state: Any) -> KVBuffer | None:
+        """The proposer's own keys and values of the sequence's committed tokens (a draft model's
+        cache), where the prefix cache may store them and hand them to a later request that starts
+        the same way, exactly: only where a position's keys and values are the same bits however the
+        forwards that computed it were grouped. None (the default): nothing of the kind, and a reused
+        prefix's tokens are fed through :meth:`prefill_tokens` instead."""
+        return None
 
     def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default
         """Free per-sequence resources (a KV cache) when the sequence finishes."""

@@ -18,6 +18,7 @@ import torch
 from verispec.config import SamplingConfig, SpecConfig
 from verispec.errors import VerispecError
 from verispec.models.base import CausalLM, KVCache
+from verispec.models.kv import KVBuffer
 from verispec.penalties import RequestRules
 from verispec.proposers.base import BatchProposer, register
 from verispec.sampling import logits_to_probs, make_generator, sample
@@ -124,6 +125,15 @@ class DraftModelProposer(BatchProposer):
 
     def constrain(self, state: DraftModelState, rules: RequestRules) -> None:
         state.rules = rules
+
+    def prefix_kv(self, state: DraftModelState) -> KVBuffer | None:
+        """The draft's cache where its positions are exact to reuse: a draft model whose keys and
+        values do not depend on how its forwards were grouped (GGUF or int8 weights on CPU), between
+        steps (a proposal's unverified tokens are trimmed by :meth:`update`). A later request that
+        starts the same way then skips the draft's prefill of those tokens too, and drafts exactly
+        what it would have drafted after computing them."""
+        exact = getattr(self.model, "position_invariant", False)
+        return state.cache if exact and not state.drafting and isinstance(state.cache, KVBuffer) else None
 
     def _next(self, state: DraftModelState, logits: torch.Tensor, probs: list[torch.Tensor]) -> int | None:
         """The next draft token (sampled, its distribution appended to ``probs``), or None when the
