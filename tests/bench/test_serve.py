@@ -306,6 +306,14 @@ def test_bad_serve_settings_are_refused_before_a_server_starts(bad: dict) -> Non
         ServeBenchSettings(target="t", **bad).validate()
 
 
+def test_replies_to_compare_with_must_exist_before_a_server_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "serve", "--compare-replies", str(tmp_path / "none"), "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert "--compare-replies" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------- soak
 
 
@@ -528,7 +536,8 @@ SMOLLM2 = ["--target", "smollm2-135m-instruct", "--method", "ngram"]
 @pytest.mark.slow
 @needs_smollm2
 def test_bench_serve_end_to_end_on_smollm2(tmp_path: Path) -> None:
-    """Three real servers (plain, fixed, adaptive), two levels each; about a minute on two cores."""
+    """Three real servers (plain, fixed, adaptive), two levels each, then a fourth whose replies are
+    held against the first run's; about two minutes on two cores."""
     argv = ["bench", "serve", *SMOLLM2, "--concurrency", "1,2", "--requests-per-level", "2", "--max-tokens",
             "16", "--warmup", "1", "--categories", "qa,translation", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
@@ -545,6 +554,20 @@ def test_bench_serve_end_to_end_on_smollm2(tmp_path: Path) -> None:
     for name in ("throughput.png", "user_tps.png", "ttft.png", "report.md"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| adaptive | 2 |" in (tmp_path / "report.md").read_text()
+    # greedy and lossless: every policy's replies are plain's, and a second run's are the first's
+    assert [(c["label"], c["compared"], c["same"]) for c in results["replies"]] == [
+        ("fixed vs plain", 4, 4),
+        ("adaptive vs plain", 4, 4),
+    ]
+    assert "fixed vs plain: 4/4 replies the same (identical)" in (tmp_path / "report.md").read_text()
+    again = tmp_path / "again"
+    argv = ["bench", "serve", *SMOLLM2, "--policies", "adaptive", "--concurrency", "1",
+            "--requests-per-level", "2", "--max-tokens", "16", "--warmup", "0", "--categories",
+            "qa,translation", "--cache-scope", "private", "--compare-replies", str(tmp_path),
+            "--out", str(again)]  # fmt: skip
+    assert main(argv) == 0
+    (check,) = json.loads((again / "results.json").read_text())["replies"]
+    assert check == {"label": f"adaptive vs adaptive of {tmp_path}", "compared": 2, "same": 2}
 
 
 @pytest.mark.slow

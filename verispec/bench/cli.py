@@ -160,7 +160,10 @@ def _serve(args: argparse.Namespace, command: str) -> int:
         policies=tuple(args.policies),
         concurrency=tuple(args.concurrency),
     )
+    if args.compare_replies is not None and not args.compare_replies.exists():
+        raise VerispecError(f"--compare-replies: {args.compare_replies} does not exist")
     run = run_serve_bench(settings, command, args.out)
+    run.check_replies(args.compare_replies)
     summaries = run.summaries
     plots = []
     if importlib.util.find_spec("matplotlib") is not None:
@@ -179,11 +182,16 @@ def _serve(args: argparse.Namespace, command: str) -> int:
         print()
         print("TTFT by turn (s)")
         print(text_table(rows, header))
+    for reply_check in run.replies:
+        print(reply_check.line())
+    differ = [c for c in run.replies if c.compared and not c.identical]
+    if differ:
+        print(f"replies differ where greedy decoding must repeat itself: {differ[0].line()}")
     failed = sum(level.failed for level in run.levels)
     if failed:
         print(f"{failed} request(s) failed: see {results}")
     print(f"wrote {results}, {report} and {len(plots)} plots", file=sys.stderr)
-    return 1 if failed else 0
+    return 1 if failed or differ else 0
 
 
 def _from_flags(cls: type[S], args: argparse.Namespace, **converted: Any) -> S:

@@ -285,6 +285,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction, default_target: str) -> N
         "--concurrency", type=_ints, default=[1, 2, 4, 8, 16], help="comma list of user counts"
     )
     serve.add_argument(
+        "--compare-replies",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="another bench serve run (its --out folder or results.json) whose replies this run's must "
+        "equal, policy by policy (the same prompts with the other --cache-scope, say); the report counts "
+        "the matches, as it does across this run's own policies",
+    )
+    serve.add_argument(
         "--requests-per-level",
         type=int,
         default=None,

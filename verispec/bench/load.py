@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 
 from verispec.bench.datasets import BenchPrompt, Message
+from verispec.bench.replies import digest
 
 FINISH_REASONS = ("stop", "length")
 """What a request that ran to its end reports (the server maps EOS to ``stop``)."""
@@ -76,7 +77,8 @@ class RequestResult:
     stats: dict[str, Any] | None = None
     """The ``verispec.stats`` of the usage chunk (drafted, accepted, target_forward_passes, ...)."""
     text: str = field(default="", repr=False)
-    """The streamed answer, which the next turn resends (not written to results)."""
+    """The streamed answer, which the next turn resends (written to results as a digest only:
+    :mod:`verispec.bench.replies` compares replies across policies and runs)."""
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -93,6 +95,7 @@ class RequestResult:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         del out["text"]
+        out["reply_digest"] = digest(self.text) if self.ok and not self.disconnected else None
         out["tokens_per_second"] = self.tokens_per_second
         out["decode_tokens_per_second"] = self.decode_tokens_per_second
         return out

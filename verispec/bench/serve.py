@@ -61,6 +61,7 @@ import httpx
 from verispec.bench import environment
 from verispec.bench.datasets import CONVERSATIONS, BenchPrompt, load_dataset
 from verispec.bench.load import RequestSpec, client_for, run_level
+from verispec.bench.replies import ReplyCheck, across_policies, against
 from verispec.bench.scrape import Scrape, parse_metrics, spec_delta
 from verispec.bench.serve_stats import LevelStats, LevelSummary, level_stats, summarize
 from verispec.bench.server_proc import RssSampler, ServerProcess, ServerRun
@@ -296,10 +297,28 @@ class ServeBenchRun:
     servers: list[dict[str, Any]]
     environment: dict[str, Any]
     wall_seconds: float
+    replies: list[ReplyCheck] = field(default_factory=list)
+    """Whether the replies matched across policies and, where asked, another run's."""
 
     @property
     def summaries(self) -> list[LevelSummary]:
         return summarize(self.levels)
+
+    def check_replies(self, other: Path | None = None) -> list[ReplyCheck]:
+        """Compare the replies of every policy with the first policy's and, given ``other`` (another
+        run's results.json or its folder), with that run's; kept for :func:`results_dict`."""
+        ours = results_dict(self)
+        self.replies = across_policies(ours)
+        if other is not None:
+            path = other / "results.json" if other.is_dir() else other
+            try:
+                theirs = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise VerispecError(f"--compare-replies: cannot read {path}: {exc}") from exc
+            if theirs.get("schema") != SCHEMA:
+                raise VerispecError(f"--compare-replies: {path} is not a bench serve results.json")
+            self.replies += against(ours, theirs, str(other))
+        return self.replies
 
 
 def run_serve_bench(
@@ -393,6 +412,7 @@ def results_dict(run: ServeBenchRun) -> dict[str, Any]:
         "wall_seconds": run.wall_seconds,
         "servers": run.servers,
         "summary": [s.to_dict() for s in run.summaries],
+        "replies": [c.to_dict() for c in run.replies],
         "levels": run.records,
     }
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from verispec.bench.environment import describe_cpu
+from verispec.bench.replies import ReplyCheck
 from verispec.bench.report import markdown_table
 from verispec.bench.serve_stats import LevelSummary, Spread
 
@@ -138,6 +139,16 @@ def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], 
             f"- **{server['policy']}**: `{' '.join(server['args'])}`; healthy after "
             f"{server['startup_seconds']:.1f} s, peak RSS {f'{peak:.0f} MB' if peak else 'unknown'}"
         )
+    checks = [ReplyCheck(**c) for c in results.get("replies", [])]
+    if checks:
+        out += [
+            "",
+            "## Replies",
+            "",
+            "Greedy and lossless: the same turn must come back as the same text.",
+            "",
+        ]
+        out += [f"- {c.line()}" for c in checks]
     failed = sum(level["failed"] for level in results["levels"])
     if failed:
         out += [
