@@ -51,4 +51,5 @@ def test_another_run_is_compared_policy_by_policy_on_the_replies_both_have() -> 
     (check,) = against(shared, private, "private")
     assert check == ReplyCheck("plain vs plain of private", 2, 2) and check.identical
     assert replies(private)["adaptive"] == {(8, "a", 1): frozenset({digest("x")})}
-    assert not ReplyCheck("nothing in common", 0, 0).identical
+    none = ReplyCheck("other prompts", 0, 0)
+    assert not none.identical and none.line() == "other prompts: no replies in common"

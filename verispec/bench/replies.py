@@ -52,6 +52,8 @@ class ReplyCheck:
         return self.compared > 0 and self.same == self.compared
 
     def line(self) -> str:
+        if not self.compared:
+            return f"{self.label}: no replies in common"
         verdict = "identical" if self.identical else f"{self.compared - self.same} differ"
         return f"{self.label}: {self.same}/{self.compared} replies the same ({verdict})"
 
