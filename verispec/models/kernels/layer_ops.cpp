@@ -11,8 +11,9 @@
 // arithmetic (the order of its sums, the lanes they use) depends only on the row's length, never on
 // how many rows the call has or which thread runs it. So a token gets the same bits decoded alone,
 // verified beside drafts or batched, as lossless greedy speculation needs. The bits differ from
-// torch's (its reductions and exp order differently), so a process uses one or the other for all
-// its forwards (lean.use_native). The build uses -ffp-contract=off, like the other kernels.
+// torch's (its reductions and exp order differently), so a model uses one or the other for all
+// its forwards (HFCausalLM.native_layers, handed to lean.forward). The build uses -ffp-contract=off,
+// like the other kernels.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
