@@ -135,12 +135,13 @@ def test_the_lookup_record_counts_matches_against_what_was_committed(tiny_target
 
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_registry_builds_both_hybrids_from_saved_heads(tmp_path, tiny_target, kind):
+@pytest.mark.parametrize(("plus", "hybrid"), [("ngram", HybridProposer), ("suffix", SuffixHybridProposer)])
+def test_registry_builds_every_hybrid_from_saved_heads(tmp_path, tiny_target, kind, plus, hybrid):
     module, vocab, _ = trained(tiny_target, kind)
     save_heads(tmp_path / kind, kind, module, identify(tiny_target), vocab)
-    spec = SpecConfig(method=f"{kind}+ngram", heads=str(tmp_path), num_speculative_tokens=3, depth="fixed")
+    spec = SpecConfig(method=f"{kind}+{plus}", heads=str(tmp_path), num_speculative_tokens=3, depth="fixed")
     proposer = build_proposer(spec, tiny_target, None)
-    assert isinstance(proposer, HybridProposer) and proposer.name == f"{kind}+ngram"
+    assert isinstance(proposer, hybrid) and proposer.name == f"{kind}+{plus}"
     assert isinstance(proposer.heads, {"eagle": EagleProposer, "medusa": MedusaProposer}[kind])
     got = SpecEngine(tiny_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=20)
     assert [g.token_ids for g in got] == plain_outputs(tiny_target, PROMPTS, 20)
@@ -201,19 +202,6 @@ def test_a_suffix_hybrid_forwards_scope_and_release_and_sizes_for_both(tiny_targ
     )
     assert set(proposer.suffix.cache.scopes) == {"a"}  # released outputs, private ones not kept
     assert sum(g.stats.num_accepted for g in again) > sum(g.stats.num_accepted for g in first)
-
-
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
-def test_registry_builds_the_suffix_hybrids_from_saved_heads(tmp_path, tiny_target, kind):
-    module, vocab, _ = trained(tiny_target, kind)
-    save_heads(tmp_path / kind, kind, module, identify(tiny_target), vocab)
-    spec = SpecConfig(method=f"{kind}+suffix", heads=str(tmp_path), num_speculative_tokens=3, depth="fixed")
-    proposer = build_proposer(spec, tiny_target, None)
-    assert isinstance(proposer, SuffixHybridProposer) and proposer.name == f"{kind}+suffix"
-    assert isinstance(proposer.heads, {"eagle": EagleProposer, "medusa": MedusaProposer}[kind])
-    got = SpecEngine(tiny_target, proposer, spec).generate_batch(PROMPTS, max_new_tokens=20)
-    assert [g.token_ids for g in got] == plain_outputs(tiny_target, PROMPTS, 20)
-    assert sum(g.stats.num_accepted for g in got) > 0
 
 
 @pytest.mark.slow

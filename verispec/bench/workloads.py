@@ -116,26 +116,27 @@ def _cities(nth: int, count: int) -> tuple[list[str], str]:
     return _window(text.CITIES, nth, count), ("celsius", "fahrenheit")[nth % 2]
 
 
+def _pair(items: Sequence[str], k: int, stride: int, shift: int) -> tuple[str, str]:
+    """Item k and another one picked by ``stride`` and ``shift`` (the next one where they would meet):
+    a call's two distinct arguments, varied from call to call."""
+    first = items[k % len(items)]
+    second = items[(k * stride + shift) % len(items)]
+    return first, second if second != first else items[(k + 1) % len(items)]
+
+
 def _amounts(nth: int, count: int) -> tuple[list[str], str]:
-    currencies = text.CURRENCIES
     out = []
     for j, amount in enumerate(_window(text.AMOUNTS, nth, count)):
-        k = nth * count + j
-        source = currencies[k % len(currencies)]
-        target = currencies[(k * 3 + 1) % len(currencies)]
-        target = target if target != source else currencies[(k + 1) % len(currencies)]
+        source, target = _pair(text.CURRENCIES, nth * count + j, 3, 1)
         out.append(f"{amount:g} {source} to {target}")
     return out, ""
 
 
 def _trips(nth: int, count: int) -> tuple[list[str], str]:
-    airports = text.AIRPORTS
     out = []
     for j in range(count):
         k = nth * count + j
-        origin = airports[k % len(airports)]
-        destination = airports[(k * 5 + 3) % len(airports)]
-        destination = destination if destination != origin else airports[(k + 1) % len(airports)]
+        origin, destination = _pair(text.AIRPORTS, k, 5, 3)
         out.append(f"{origin} to {destination} on 2025-{1 + k % 12:02d}-{1 + (k * 7) % 28:02d}")
     return out, ""
 
