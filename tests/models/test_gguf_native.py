@@ -18,8 +18,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from tests.conftest import bundled_installed, needs_smollm2
+from verispec.bench import synthetic_gguf as sg
+from verispec.bench.synthetic_gguf import LLAMA_SMALL, llama3_rope_factors, write_llama_gguf
 from verispec.config import ModelLoadConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
@@ -31,6 +34,7 @@ from verispec.models.gguf_native import META_DONE, GGUFEmbedding
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import resolve_quantization
 from verispec.models.registry import BUNDLED, cache_root, ensure_gguf
+from verispec.models.rope_freqs import LLAMA_3_1
 from verispec.proposers import build_proposer
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -314,3 +318,46 @@ def test_qwen_05b_equals_the_converted_model(tmp_path):
     ids = native.tokenizer(PROMPT)["input_ids"]
     assert ids == converted.tokenizer(PROMPT)["input_ids"]
     assert_close_logits(logits(native, ids), logits(converted, ids))
+
+
+# --- Llama 3's rope_freqs --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama3_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer Llama 3.1-shaped Q4_K_M file with its rope_freqs; weights with some contrast
+    (std 0.08), so that attention, and with it the rotation, decides the logits."""
+    return write_llama_gguf(
+        tmp_path_factory.mktemp("llama3") / "llama-3.1-small.gguf", shape=LLAMA_SMALL, seed=0, weight_std=0.08
+    )
+
+
+@pytest.mark.usefixtures("float_products")
+def test_llama3_rope_freqs_rotate_both_paths_as_transformers_llama3(llama3_file, tmp_path):
+    native = load_native(str(llama3_file), tmp_path / "cache")
+    stated = {"rope_theta": LLAMA_SMALL.rope_theta, **LLAMA_3_1}
+    assert native.model.config.rope_parameters == stated  # what an EAGLE-3 drafter of it copies
+    want = LlamaRotaryEmbedding(native.model.config).inv_freq  # transformers' Llama 3.1 scaling
+    torch.testing.assert_close(native.model.model.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
+    with isolated_cache(tmp_path / "cache"):
+        converted = load_model(str(llama3_file), ModelLoadConfig(quantization="none"))
+    assert converted.model.config.rope_parameters == stated
+    ids = np.random.default_rng(0).integers(0, LLAMA_SMALL.vocab - LLAMA_SMALL.special_tokens, 700).tolist()
+    got, want = logits(native, ids), logits(converted, ids)
+    assert_close_logits(got, want)
+    converted.model.model.rotary_emb.inv_freq *= torch.from_numpy(llama3_rope_factors(LLAMA_SMALL))
+    unscaled = logits(converted, ids)  # what transformers' GGUF loader alone gives: no divisors
+    assert (unscaled[400:] - want[400:]).abs().max() > 10 * (got - want).abs().max()
+
+
+def test_other_rope_freqs_run_natively_and_are_refused_by_the_converted_path(tmp_path, monkeypatch):
+    odd = np.linspace(1, 3, LLAMA_SMALL.head_dim // 2, dtype=np.float32)
+    monkeypatch.setattr(sg, "llama3_rope_factors", lambda shape: odd)
+    path = write_llama_gguf(tmp_path / "odd-rope.gguf", shape=LLAMA_SMALL, seed=0)
+    with isolated_cache(tmp_path / "cache"):
+        with pytest.raises(VerispecError, match="not Llama 3's RoPE scaling; run it with --quantization gg"):
+            load_model(str(path), ModelLoadConfig(quantization="none"))
+        native = load_native(str(path), tmp_path / "cache")  # runs the divisors as they are
+    assert native.model.config.rope_parameters["rope_type"] == "default"
+    unscaled = LlamaRotaryEmbedding(native.model.config).inv_freq
+    torch.testing.assert_close(native.model.model.rotary_emb.inv_freq * torch.from_numpy(odd), unscaled)

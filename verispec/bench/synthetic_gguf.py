@@ -33,6 +33,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
+from verispec.models.rope_freqs import LLAMA_3_1, llama3_divisors, wavelengths
+
 Q4_K_M_FILE_TYPE = int(LlamaFileType.MOSTLY_Q4_K_M)
 """``general.file_type`` of a Q4_K_M file (llama.cpp's ``LLAMA_FTYPE_MOSTLY_Q4_K_M``)."""
 
@@ -202,14 +204,7 @@ def tensor_plan(shape: LlamaShape) -> list[TensorPlan]:
 def llama3_rope_factors(shape: LlamaShape) -> np.ndarray:
     """Llama 3.1's RoPE scaling (factor 8, low/high frequency factors 1 and 4, 8192 original
     positions) as the per-frequency divisors llama.cpp's converter writes to ``rope_freqs.weight``."""
-    factor, low_freq_factor, high_freq_factor, original_context = 8.0, 1.0, 4.0, 8192
-    freqs = shape.rope_theta ** -(np.arange(0, shape.head_dim, 2, dtype=np.float64) / shape.head_dim)
-    wavelen = 2 * math.pi / freqs
-    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    factors = 1 / ((1 - smooth) / factor + smooth)
-    factors = np.where(wavelen < original_context / high_freq_factor, 1.0, factors)
-    factors = np.where(wavelen > original_context / low_freq_factor, factor, factors)
-    return factors.astype(np.float32)
+    return llama3_divisors(LLAMA_3_1, wavelengths(shape.rope_theta, shape.head_dim)).astype(np.float32)
 
 
 # -- vocabulary -------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from torch.nn import functional as F
 
 from verispec.errors import VerispecError
 from verispec.heads.eagle import DraftRows, RMSNorm, _apply_rotary
+from verispec.models.rope_freqs import llama3_divisors
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "inverse_frequencies", "rope_tables", "ttt_masks"]
 
@@ -152,15 +153,9 @@ def inverse_frequencies(config: Eagle3Config) -> torch.Tensor:
     factor = float(_rope_field(scaling, "factor"))
     if kind == "linear":
         return inv / factor
-    low = float(_rope_field(scaling, "low_freq_factor"))
-    high = float(_rope_field(scaling, "high_freq_factor"))
-    old = float(_rope_field(scaling, "original_max_position_embeddings"))
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return torch.where(medium, smoothed, scaled)
+    fields = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    params = {"factor": factor, **{name: float(_rope_field(scaling, name)) for name in fields}}
+    return inv / torch.from_numpy(llama3_divisors(params, (2 * math.pi / inv).numpy()))
 
 
 def _rope_field(scaling: dict[str, Any], name: str) -> Any:

@@ -30,6 +30,10 @@ SOURCE_FILE = "verispec-source.json"
 
 _GGUF_MAGIC = b"GGUF"
 
+CONVERSION = 2
+"""Revision of what a conversion writes, in a user GGUF's folder name, so that a folder written
+before a change is not reused: 2 states Llama 3's ``rope_freqs`` as RoPE parameters."""
+
 
 def hf_folder_for(source: str) -> Path:
     """A Hugging Face model folder for ``source``, converting (once) if needed.
@@ -109,7 +113,7 @@ def _hf_root() -> Path:
 def _folder_for_gguf(path: Path) -> Path:
     """Converted folder for a user-supplied GGUF file (validated first: it may be anything)."""
     stat = path.stat()
-    folder = _hf_root() / gguf_key(path)
+    folder = _hf_root() / f"{gguf_key(path)}-c{CONVERSION}"
     if not is_complete(folder):
         _validate_gguf(path)
         origin = {"gguf": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
@@ -152,6 +156,9 @@ def _convert(gguf: Path, folder: Path, *, label: str, origin: dict) -> None:
     import torch  # heavy imports only when converting
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from verispec.models import rope_freqs
+    from verispec.models.gguf_file import read_gguf
+
     print(
         f"converting {label} (first use, ~{_estimate_seconds(gguf.stat().st_size)} s) into {folder} ...",
         file=sys.stderr,
@@ -167,6 +174,9 @@ def _convert(gguf: Path, folder: Path, *, label: str, origin: dict) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except (ValueError, KeyError, OSError) as exc:  # unsupported architecture, bad metadata, ...
             raise VerispecError(f"transformers could not load {label}: {exc}") from exc
+        divisors = rope_freqs.file_divisors(read_gguf(gguf))  # Llama 3's: transformers drops them
+        if divisors is not None:
+            rope_freqs.state_in_config(model.config, divisors, required=True)
         # The weights are plain float32 tensors now; transformers only refuses to save them because
         # the model still says it is GGUF-quantized. Forget that and it saves (logits bitwise equal).
         model.hf_quantizer = None

@@ -13,7 +13,8 @@ EAGLE's feature taps) sees the same transformers model as the converted path:
   file's whole vocabulary (10 s for the 1.5B's 150k tokens), so the few MB they save to are cached
   under ``<cache>/gguf-meta/<key>/``, keyed like the converted folders.
 - The model is built from that config with its parameters on the meta device (no memory); buffers
-  such as the rotary frequencies are computed as usual.
+  such as the rotary frequencies are computed as usual, or from the file's own per-frequency
+  divisors where it has them (Llama 3's ``rope_freqs``, :mod:`verispec.models.rope_freqs`).
 - Each tensor goes where transformers' GGUF loader puts it: its name map (gguf-py's, through
   ``get_gguf_hf_weights_map``) and its per-architecture tensor processor, which also adjusts small
   float tensors (Gemma's norms) exactly as it does when converting.
@@ -58,6 +59,7 @@ from torch import nn
 
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
+from verispec.models import rope_freqs
 from verispec.models.fused import fuse_projections
 from verispec.models.gguf_file import GGUFFile, GGUFTensor, Q, read_gguf
 from verispec.models.gguf_linear import GGUFLinear, check_type
@@ -165,8 +167,13 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
     cached = (folder / META_DONE).is_file()
     with _one_metadata_parse():
         config = _load_config(folder if cached else None, path)
+        divisors = rope_freqs.file_divisors(file)  # Llama 3's long-context RoPE: transformers drops it
+        if divisors is not None:
+            rope_freqs.state_in_config(config, divisors, required=False)
         model = _empty_model(config, path)
         _fill(model, file, config)
+        if divisors is not None:
+            rope_freqs.set_frequencies(model, divisors)
         # q/k/v and gate/up of one block type as one product each; each block's replaced members'
         # pages go back at once, so the load peaks at one block's copy above the packed model
         fuse_projections(model, after_each=_return_freed_pages)
@@ -323,7 +330,7 @@ def _fill(model: nn.Module, file: GGUFFile, config: Any) -> None:
     blocks: dict[str, GGUFTensor] = {}  # module name -> its quantized weight, once its bias is in
     for tensor in file.tensors:
         if tensor.name not in names:
-            continue  # nothing in the model for it (llama 3's rope_freqs): transformers skips it too
+            continue  # nothing in the model for it (Llama 3's rope_freqs: see load_gguf)
         owner, _, leaf = names[tensor.name].rpartition(".")
         module = modules.get(owner)
         if tensor.qtype not in FLOAT_TYPES and leaf == "weight" and _takes_blocks(module):
