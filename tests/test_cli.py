@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import needs_smollm2, perturbed, tiny_llama
-from verispec.cli import main
+from verispec.cli import TOOLS, build_parser, main
 from verispec.models.registry import BUNDLED
+from verispec.settings import flags_by_dest
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +163,25 @@ def test_models_lists_the_registry_without_importing_torch():
     for name in BUNDLED:
         assert name in out.stdout
     assert "torch imported: False" in out.stdout
+
+
+def test_top_level_help_lists_every_command_without_importing_torch():
+    """``verispec --help`` is a newcomer's first command: the tools that import PyTorch (5 s) are
+    listed by their one-line help, their flags added only when they run."""
+    script = (
+        "import sys; from verispec.cli import main\n"
+        "try: main(['--help'])\n"
+        "except SystemExit as exit: print('torch imported:', 'torch' in sys.modules); raise"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for command in ("generate", "serve", "models", "bench", "plan", *TOOLS):
+        assert f"    {command} " in out.stdout, command
+    for help in TOOLS.values():
+        assert " ".join(help.split()[:4]) in " ".join(out.stdout.split())
+    assert "torch imported: False" in out.stdout
+    train = build_parser("train")
+    assert {"--draft-vocab", "--aux-layers"} <= set(flags_by_dest(train).values())  # its own flags, in full
 
 
 @needs_smollm2

@@ -49,6 +49,15 @@ under the same name."""
 CORE_COMMANDS = ("generate", "serve", "models")
 """Commands whose parser needs none of the tools' modules (bench, training), which import PyTorch."""
 
+TOOLS: dict[str, str] = {
+    "train": "train Medusa heads, an EAGLE drafter or an EAGLE-3 drafter (speculators format) for a target",
+    "distill": "write the target's own replies, as training data for its heads",
+    "export": "write a drafter for vLLM or SGLang (speculators, SGLang or vLLM-Medusa format)",
+}
+"""The tools whose flags are defined in modules that import PyTorch (5 s), with their one-line help:
+their flags are added only for the command about to run, so that ``verispec --help`` lists them
+without that wait."""
+
 
 def load_engine(args: argparse.Namespace) -> Any:
     """Load the models and settings the command line names (every flag :func:`add_flags` made for
@@ -59,8 +68,9 @@ def load_engine(args: argparse.Namespace) -> Any:
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line; ``only``: the command about to run, where it is one of
-    :data:`CORE_COMMANDS` the tools' subcommands are left out (``verispec models`` stays instant)."""
+    """The whole command line; ``only``: the command about to run ("" for none). Where it is one of
+    :data:`CORE_COMMANDS` the tools' subcommands are left out (``verispec models`` stays instant);
+    otherwise only its own :data:`TOOLS` flags are added, the other tools listed by name and help."""
     parser = argparse.ArgumentParser(prog="verispec", description="Exact speculative decoding for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -142,22 +152,35 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     from verispec.bench.flags import add_parser as add_bench_parser  # the bench flags live with the bench
     from verispec.bench.flags import add_plan_parser
-    from verispec.heads.export import add_export_parser
-    from verispec.training.distill import add_distill_parser
-    from verispec.training.train import add_train_parser
 
     add_bench_parser(sub, DEFAULT_TARGET)
     add_plan_parser(sub)  # `verispec plan`: the same as `verispec bench plan`
-    add_train_parser(sub, DEFAULT_TARGET)  # `verispec train medusa|eagle|eagle3`
-    add_distill_parser(sub, DEFAULT_TARGET)  # `verispec distill`: the target's replies, for training
-    add_export_parser(sub)  # `verispec export`: drafters for vLLM and SGLang
+    for name, help in TOOLS.items():
+        tool = sub.add_parser(name, help=help)
+        if only is None or only == name:
+            _add_tool_flags(name, tool)
     return parser
+
+
+def _add_tool_flags(name: str, parser: argparse.ArgumentParser) -> None:
+    if name == "train":  # `verispec train medusa|eagle|eagle3`
+        from verispec.training.train import add_train_flags
+
+        add_train_flags(parser, DEFAULT_TARGET)
+    elif name == "distill":  # the target's replies, for training
+        from verispec.training.distill import add_distill_flags
+
+        add_distill_flags(parser, DEFAULT_TARGET)
+    else:  # `verispec export`: drafters for vLLM and SGLang
+        from verispec.heads.export import add_export_flags
+
+        add_export_flags(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    parser = build_parser(command)
+    parser = build_parser(command or "")
     args = parser.parse_args(argv)
     try:
         if args.command == "models":

@@ -35,10 +35,8 @@ from verispec.heads.speculators_save import save_sglang, save_speculators
 FORMATS = ("speculators", "sglang", "vllm-medusa")
 
 
-def add_export_parser(sub: Any) -> None:
-    parser = sub.add_parser(
-        "export", help="write a drafter for vLLM or SGLang (speculators, SGLang or vLLM-Medusa format)"
-    )
+def add_export_flags(parser: argparse.ArgumentParser) -> None:
+    """``verispec export``: the flags (the command line module calls :func:`run_export`)."""
     parser.add_argument("--heads", required=True, help="the drafter: an EAGLE-3 folder, or Medusa heads")
     parser.add_argument("--format", required=True, choices=FORMATS, help="what to write")
     parser.add_argument("--out", required=True, help="the folder to write (created; must be empty)")

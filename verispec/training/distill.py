@@ -107,16 +107,14 @@ def _prompt_ids(engine: Any, prompt: DistillPrompt) -> list[int]:
     return engine.encode(prompt.text)
 
 
-def add_distill_parser(sub: Any, default_target: str) -> None:
+def add_distill_flags(p: Any, default_target: str) -> None:
     """``verispec distill``: the flags (the command line module calls :func:`run_distill`)."""
     from verispec.settings import add_load_flags, add_target_flag
 
-    p = sub.add_parser(
-        "distill",
-        help="write the target's own replies, as training data for its heads",
-        description="Answer ShareGPT first turns (chat, and long ones), standard-library function signatures "
-        "(raw completion) and JSON-mode prompts greedily with the target, appending the exact token ids "
-        "to a JSON-lines file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume.",
+    p.description = (
+        "Answer ShareGPT first turns (chat, and long ones), standard-library function signatures (raw "
+        "completion) and JSON-mode prompts greedily with the target, appending the exact token ids to a "
+        "JSON-lines file for `verispec train ... --sources distilled --distilled FILE`. Reruns resume."
     )
     add_target_flag(p, default_target)
     p.add_argument("--out", type=Path, required=True, help="JSON-lines file to append to")

@@ -205,15 +205,13 @@ class _DefaultDraftVocab(int):
     converts typed values with ``int``), so eagle3 can default to speculators' 32000 instead."""
 
 
-def add_train_parser(sub: Any, default_target: str) -> None:
+def add_train_flags(p: argparse.ArgumentParser, default_target: str) -> None:
     """``verispec train medusa|eagle|eagle3``: the flags (the command line module calls :func:`run_train`)."""
     from verispec.settings import add_load_flags, add_target_flag
 
-    p = sub.add_parser(
-        "train",
-        help="train Medusa heads, an EAGLE drafter or an EAGLE-3 drafter (speculators format) for a target",
-        description="Train heads on ShareGPT conversations and standard-library code (never on the "
-        "evaluation prompts), with the target's hidden states computed once and cached.",
+    p.description = (
+        "Train heads on ShareGPT conversations and standard-library code (never on the evaluation "
+        "prompts), with the target's hidden states computed once and cached."
     )
     p.add_argument("kind", choices=TRAIN_KINDS)
     add_target_flag(p, default_target)
