@@ -215,9 +215,36 @@ def native_isa() -> str | None:
     return native.cpu_isa()
 
 
+def assert_same_parts(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernels_packer_lays_blocks_out_as_the_reference_does(qtype: Q) -> None:
+    for rows, k, seed in ((37, 512, 0), (16, 256, 1), (1, 1024, 2)):  # padded tiles, whole ones, one row
+        blocks = random_blocks(qtype, rows, k, seed=seed)
+        assert_same_parts(gl.pack_blocks(qtype, blocks, k), gl.pack_reference(qtype, blocks))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q6_K], ids=lambda t: t.name)
+def test_scales_float16_cannot_hold_are_refused_by_both_packers(qtype: Q) -> None:
+    blocks = random_blocks(qtype, 3, 256)
+    # Q4_0's offset -8 d and Q6_K's M = 32 d overflow float16
+    huge = np.array([60000.0], dtype=np.float16).view(np.uint8)
+    at = 208 if qtype == Q.Q6_K else 0
+    blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1])[1, at : at + 2] = huge
+    for packer in (lambda: gl.pack_blocks(qtype, blocks, 256), lambda: gl.pack_reference(qtype, blocks)):
+        with pytest.raises(VerispecError, match="do not fit float16 exactly"):
+            packer()
+
+
 def test_large_layers_are_packed_a_slice_of_rows_at_a_time() -> None:
-    rows, k = gl._PACK_ROWS * 2 + 21, 256  # three slices, the last one padded
+    rows, k = gl._PACK_ROWS * 2 + 21, 256  # three slices of the reference, the last one padded
     blocks = random_blocks(Q.Q6_K, rows, k, seed=4)
+    assert_same_parts(gl.pack_blocks(Q.Q6_K, blocks, k), gl.pack_reference(Q.Q6_K, blocks))
     layer = gl.GGUFLinear(Q.Q6_K, blocks, (rows, k))
     assert np.array_equal(layer.dequantized().numpy(), quants.dequantize(blocks, Q.Q6_K).reshape(rows, k))
     x = torch.randn(2, k)

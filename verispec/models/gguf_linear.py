@@ -220,6 +220,37 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
     }
 
 
+def pack_blocks(qtype: Q, blocks: np.ndarray, in_features: int) -> dict[str, torch.Tensor]:
+    """A tensor's blocks [rows, row_bytes] -> the kernel's arrays, by the kernel's own packer: the
+    layout of :func:`pack` over :func:`unpack_blocks`, byte for byte (tested per type), in a single
+    pass over the blocks (the 1.5B's LM head: ~0.1 s against ~5 s for the numpy reference)."""
+    why = kernel_error()
+    if why is not None:
+        raise VerispecError(f"GGUF weights cannot run natively here: {why}")
+    data = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
+    try:
+        codes, planes, fscales, iscales = torch.ops.verispec_gguf.gguf_pack(data, int(qtype), in_features)
+    except RuntimeError as exc:
+        if "float16 does not hold" in str(exc):
+            raise VerispecError(f"a {qtype.name} tensor's scales do not fit float16 exactly") from None
+        raise
+    return {"codes": codes, "planes": planes, "fscales": fscales, "iscales": iscales}
+
+
+def pack_reference(qtype: Q, blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """:func:`pack` over :func:`unpack_blocks`, a slice of rows at a time (the codes are unpacked
+    to a byte each, and wider on the way: a whole 128k-row LM head would be gigabytes of
+    temporaries): the readable statement of the layout that :func:`pack_blocks` must equal."""
+    chunks = [
+        pack(qtype, *unpack_blocks(qtype, blocks[i : i + _PACK_ROWS]))
+        for i in range(0, len(blocks), _PACK_ROWS)
+    ]
+    return {
+        name: torch.cat([c[name] for c in chunks]) if len(chunks) > 1 else chunks[0][name]
+        for name in chunks[0]
+    }
+
+
 def unpack(qtype: Q, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
     """The float32 weights [out, in] that the kernel multiplies by, read back from its arrays."""
     _, group, _, planes, whole_bytes, kq = _FORMATS[_FORMAT_OF[qtype]]
@@ -297,18 +328,7 @@ class GGUFLinear(nn.Module):
         data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
         if data.shape[0] != out_features:
             raise VerispecError(f"{data.shape[0]} rows of blocks for {out_features} outputs")
-        # A slice of rows at a time: the codes are unpacked to a byte each (and wider on the way),
-        # which for a whole 128k-row LM head would be gigabytes of temporaries.
-        chunks = [
-            pack(qtype, *unpack_blocks(qtype, data[i : i + _PACK_ROWS]))
-            for i in range(0, len(data), _PACK_ROWS)
-        ]
-        parts = {
-            name: torch.cat([c[name] for c in chunks]) if len(chunks) > 1 else chunks[0][name]
-            for name in chunks[0]
-        }
-        del chunks
-        self._adopt(qtype, parts, shape, bias)
+        self._adopt(qtype, pack_blocks(qtype, data, in_features), shape, bias)
 
     @classmethod
     def from_parts(

@@ -47,6 +47,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -679,6 +680,186 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y.reshape(out_shape);
 }
 
+// ---- Packing: a tensor's blocks, as the file holds them, into the layout above -----------------------
+// gguf_linear.py's pack (numpy) stays the reference the tests compare with, byte for byte; this is
+// the same layout ~100x sooner (the 1.5B's Q6_K LM head: 4.8 s there), so a load is the file's read.
+
+// ggml's type numbers.
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct BlockType {
+  int64_t inputs, bytes, fmt;
+};
+
+BlockType block_type(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18, LEG4};
+    case Q4_1: return {32, 20, LEG4};
+    case Q5_0: return {32, 22, LEG5};
+    case Q5_1: return {32, 24, LEG5};
+    case Q8_0: return {32, 34, LEG8};
+    case Q4_K: return {256, 144, K4};
+    case Q5_K: return {256, 176, K5};
+    case Q6_K: return {256, 210, K6};
+  }
+  TORCH_CHECK(false, "gguf_pack: no kernel runs ggml type ", type);
+}
+
+inline uint16_t load16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// One channel decoded from its blocks: codes [K] and, per group (legacy: S, O) or per super-block
+// (k: D, M) and per group (k: sc, mn), the factors of w = S c + O = (D sc) c - M mn.
+struct Channel {
+  std::vector<uint8_t> codes;
+  std::vector<float> f0, f1;
+  std::vector<int8_t> sc, mn;
+};
+
+// The low nibbles of `chunk` bytes, then their high nibbles: every GGUF 4-bit type's order.
+inline void nibbles(const uint8_t* qs, int64_t chunk, uint8_t* out) {
+  for (int64_t j = 0; j < chunk; ++j) {
+    out[j] = qs[j] & 0x0F;
+    out[chunk + j] = qs[j] >> 4;
+  }
+}
+
+void decode_channel(int64_t type, const uint8_t* row, int64_t K, Channel& c) {
+  const BlockType bt = block_type(type);
+  for (int64_t b = 0; b < K / bt.inputs; ++b) {
+    const uint8_t* p = row + b * bt.bytes;
+    uint8_t* q = c.codes.data() + b * bt.inputs;
+    if (type == Q4_K || type == Q5_K || type == Q6_K) {
+      if (type == Q6_K) {
+        const uint8_t *ql = p, *qh = p + 128;
+        for (int64_t h = 0; h < 2; ++h) {
+          nibbles(ql + 64 * h, 64, q + 128 * h);
+          for (int64_t s = 0; s < 4; ++s)
+            for (int64_t j = 0; j < 32; ++j) q[128 * h + 32 * s + j] |= ((qh[32 * h + j] >> (2 * s)) & 3) << 4;
+        }
+        const float d = half_to_float(load16(p + 208));
+        c.f0[b] = d;
+        c.f1[b] = 32.0f * d;  // w = d sc (c - 32) = (D sc) c - M mn with M = 32 d, mn = sc
+        for (int64_t g = 0; g < 16; ++g) c.sc[16 * b + g] = c.mn[16 * b + g] = static_cast<int8_t>(p[192 + g]);
+        continue;
+      }
+      c.f0[b] = half_to_float(load16(p));
+      c.f1[b] = half_to_float(load16(p + 2));
+      const uint8_t* sm = p + 4;  // gguf's get_scale_min: 6-bit scales and mins, 8 of each
+      for (int64_t j = 0; j < 4; ++j) {
+        c.sc[8 * b + j] = static_cast<int8_t>(sm[j] & 0x3F);
+        c.mn[8 * b + j] = static_cast<int8_t>(sm[4 + j] & 0x3F);
+        c.sc[8 * b + 4 + j] = static_cast<int8_t>((sm[8 + j] & 0x0F) | ((sm[j] >> 2) & 0x30));
+        c.mn[8 * b + 4 + j] = static_cast<int8_t>((sm[8 + j] >> 4) | ((sm[4 + j] >> 2) & 0x30));
+      }
+      const uint8_t* qs = p + (type == Q4_K ? 16 : 48);
+      for (int64_t ch = 0; ch < 4; ++ch) nibbles(qs + 32 * ch, 32, q + 64 * ch);
+      if (type == Q5_K)
+        for (int64_t i = 0; i < 256; ++i) q[i] |= ((p[16 + i % 32] >> (i / 32)) & 1) << 4;
+      continue;
+    }
+    const float d = half_to_float(load16(p));
+    if (type == Q8_0) {
+      for (int64_t i = 0; i < 32; ++i) q[i] = static_cast<uint8_t>(static_cast<int8_t>(p[2 + i]) + 128);
+      c.f0[b] = d;
+      c.f1[b] = -128.0f * d;
+      continue;
+    }
+    const bool has_min = type == Q4_1 || type == Q5_1;
+    int64_t at = has_min ? 4 : 2;
+    uint32_t qh = 0;
+    if (type == Q5_0 || type == Q5_1) {
+      std::memcpy(&qh, p + at, 4);  // little-endian, as x86 is
+      at += 4;
+    }
+    nibbles(p + at, 16, q);
+    if (type == Q5_0 || type == Q5_1)
+      for (int64_t i = 0; i < 32; ++i) q[i] |= ((qh >> i) & 1) << 4;
+    c.f0[b] = d;
+    c.f1[b] = has_min ? half_to_float(load16(p + 2)) : (type == Q4_0 ? -8.0f : -16.0f) * d;
+  }
+}
+
+// float -> float16 bits, noting a value that float16 does not hold exactly.
+inline uint16_t to_half(float v, bool& exact) {
+  const c10::Half h(v);
+  exact = exact && static_cast<float>(h) == v;
+  return h.x;
+}
+
+// [rows, row_bytes] blocks of ggml type `type` -> codes, planes, fscales, iscales as pack() lays them out.
+std::vector<at::Tensor> gguf_pack(const at::Tensor& blocks, int64_t type, int64_t K) {
+  const BlockType bt = block_type(type);
+  const Spec s = spec_of(bt.fmt);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "gguf_pack: blocks must be uint8 [rows, bytes]");
+  TORCH_CHECK(K % bt.inputs == 0 && blocks.size(1) == K / bt.inputs * bt.bytes,
+              "gguf_pack: ", blocks.size(1), " bytes a row do not hold ", K, " inputs");
+  const at::Tensor bc = blocks.contiguous();
+  const int64_t N = bc.size(0), tiles = (N + kTile - 1) / kTile, groups = K / s.group, units = K / s.unit;
+  const int64_t nf = s.kq ? units : groups;  // float factors per channel
+  const auto u8 = at::TensorOptions().dtype(at::kByte);
+  // Left uninitialized: every byte of a whole tile is written below, and a last tile's padding is
+  // zeroed there (one pass over the memory rather than two: the 8B's 4.9 GB are page faults first).
+  at::Tensor codes = at::empty({tiles, groups * code_bytes(s)}, u8);
+  at::Tensor planes = at::empty(s.planes ? at::IntArrayRef{tiles, groups * plane_bytes(s)} : at::IntArrayRef{0}, u8);
+  at::Tensor fscales = at::empty({tiles, nf * 2 * kTile}, at::TensorOptions().dtype(at::kHalf));
+  const auto i8 = at::TensorOptions().dtype(at::kChar);
+  at::Tensor iscales = at::empty(s.kq ? at::IntArrayRef{tiles, groups * s.iscales * kTile} : at::IntArrayRef{0}, i8);
+  const uint8_t* src = bc.data_ptr<uint8_t>();
+  const int64_t row_bytes = bc.size(1);
+  uint8_t *cp = codes.data_ptr<uint8_t>(), *pp = s.planes ? planes.data_ptr<uint8_t>() : nullptr;
+  uint16_t* fp = reinterpret_cast<uint16_t*>(fscales.data_ptr<at::Half>());
+  int8_t* ip = s.kq ? iscales.data_ptr<int8_t>() : nullptr;
+  std::atomic<bool> all_exact{true};
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    Channel c{std::vector<uint8_t>(K), std::vector<float>(nf), std::vector<float>(nf), std::vector<int8_t>(groups),
+              std::vector<int8_t>(groups)};
+    bool exact = true;
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tc = cp + t * groups * code_bytes(s);
+      uint8_t* tp = s.planes ? pp + t * groups * plane_bytes(s) : nullptr;
+      uint16_t* tf = fp + t * nf * 2 * kTile;
+      int8_t* ti = s.kq ? ip + t * groups * s.iscales * kTile : nullptr;
+      if ((t + 1) * kTile > N) {  // the last tile, with padding channels: all zero first
+        std::memset(tc, 0, groups * code_bytes(s));
+        if (tp) std::memset(tp, 0, groups * plane_bytes(s));
+        std::memset(tf, 0, nf * 2 * kTile * sizeof(uint16_t));
+        if (ti) std::memset(ti, 0, groups * s.iscales * kTile);
+      }
+      for (int64_t ch = 0; ch < kTile && t * kTile + ch < N; ++ch) {
+        decode_channel(type, src + (t * kTile + ch) * row_bytes, K, c);
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* q = c.codes.data() + g * s.group;
+          uint8_t* gc = tc + g * code_bytes(s);
+          if (s.bytes) {  // byte 4ch + j of vector v: input 4v + j
+            for (int64_t v = 0; v < s.group / 4; ++v) std::memcpy(gc + v * 64 + 4 * ch, q + 4 * v, 4);
+          } else {  // byte 4ch + j of vector v: input 8v + j (low nibble), 8v + 4 + j (high)
+            for (int64_t v = 0; v < s.group / 8; ++v)
+              for (int64_t j = 0; j < 4; ++j)
+                gc[v * 64 + 4 * ch + j] = (q[8 * v + j] & 0x0F) | ((q[8 * v + 4 + j] & 0x0F) << 4);
+          }
+          if (s.planes)  // byte 4ch + j: the high bits of input 4v + j at bits planes * v
+            for (int64_t j = 0; j < 4; ++j) {
+              uint32_t bits = 0;
+              for (int64_t v = 0; v < s.group / 4; ++v) bits += static_cast<uint32_t>(q[4 * v + j] >> 4) << (s.planes * v);
+              tp[g * 64 + 4 * ch + j] = static_cast<uint8_t>(bits);
+            }
+          if (s.kq) {
+            ti[(g * s.iscales) * kTile + ch] = c.sc[g];
+            if (s.iscales == 2) ti[(g * 2 + 1) * kTile + ch] = c.mn[g];
+          }
+        }
+        for (int64_t f = 0; f < nf; ++f) {
+          tf[(2 * f) * kTile + ch] = to_half(c.f0[f], exact);
+          tf[(2 * f + 1) * kTile + ch] = to_half(c.f1[f], exact);
+        }
+      }
+    }
+    if (!exact) all_exact = false;
+  });
+  TORCH_CHECK(all_exact.load(), "gguf_pack: scales that float16 does not hold exactly");
+  return {codes, planes, fscales, iscales};
+}
+
 bool gguf_linear_vectorized() { return VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX2; }
 
 }  // namespace
@@ -687,6 +868,7 @@ TORCH_LIBRARY(verispec_gguf, m) {
   m.def("gguf_linear(Tensor x, Tensor codes, Tensor planes, Tensor fscales, Tensor iscales, Tensor? bias, int fmt, "
         "int out_features) -> Tensor");
   m.def("gguf_linear_vectorized() -> bool", &gguf_linear_vectorized);
+  m.def("gguf_pack(Tensor blocks, int type, int in_features) -> Tensor[]", &gguf_pack);
 }
 
 TORCH_LIBRARY_IMPL(verispec_gguf, CPU, m) { m.impl("gguf_linear", gguf_linear); }
