@@ -41,6 +41,8 @@ def random_blocks(qtype: Q, rows: int, k: int, seed: int = 0) -> np.ndarray:
         b[:, 0:2], b[:, 2:4] = f16(1e-4, 1e-3), f16(1e-4, 1e-3)
     if qtype == Q.Q6_K:
         b[:, 208:210] = f16(1e-4, 1e-3)
+    if qtype == Q.Q3_K:
+        b[:, 108:110] = f16(1e-4, 1e-3)
     return b.reshape(rows, -1)
 
 
@@ -75,7 +77,7 @@ def test_products_match_a_float64_reference_of_the_quantized_activations(qtype: 
     bias = torch.randn(rows)
     layer = gl.GGUFLinear(qtype, blocks, (rows, k), bias)
     x = torch.randn(6, k) * torch.linspace(0.1, 3.0, k)  # uneven ranges across units
-    unit = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    unit = 256 if qtype in (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
     expected = reference(x, quants.dequantize(blocks, qtype).reshape(rows, k), unit) + bias.double()
     got = layer(x).double()
     assert got.shape == (6, rows)
@@ -86,7 +88,7 @@ def test_products_match_a_float64_reference_of_the_quantized_activations(qtype: 
 
 
 # Bytes of each "k" block that hold codes and group scales (not its float16 super-block scales).
-_K_FIELDS = {Q.Q4_K: slice(4, 144), Q.Q5_K: slice(4, 176), Q.Q6_K: slice(0, 208)}
+_K_FIELDS = {Q.Q3_K: slice(0, 108), Q.Q4_K: slice(4, 144), Q.Q5_K: slice(4, 176), Q.Q6_K: slice(0, 208)}
 
 
 @pytest.mark.parametrize("qtype", sorted(_K_FIELDS, key=lambda t: t.name), ids=lambda t: t.name)

@@ -10,8 +10,10 @@ type). :func:`pack` lays codes and scales out for verispec's kernel (``kernels/g
 compiled on first use like the int4 kernel.
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (groups of 32 with float16 scale and offset) and Q4_K, Q5_K,
-Q6_K (float16 super-block scales times int8 group scales). Any other type is refused by name,
-never re-rounded into one of these.
+Q6_K (float16 super-block scales times int8 group scales), and Q3_K the same way with its 3-bit
+codes in nibbles (w = d (s - 32) (c - 4) is (D sc) c - M mn with D = d, M = 4 d, sc = mn = s - 32,
+all exact: ~4.6 bits a weight against the file's 3.4, so a decode step reads more than llama.cpp's).
+Any other type is refused by name, never re-rounded into one of these.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _FORMATS = {
     "k4": (3, 32, 256, 0, False, True),
     "k5": (4, 32, 256, 1, False, True),
     "k6": (5, 16, 256, 2, False, True),
+    "k3": (6, 16, 256, 0, False, True),
 }
 _FORMAT_OF = {
     Q.Q4_0: "leg4",
@@ -52,6 +55,7 @@ _FORMAT_OF = {
     Q.Q4_K: "k4",
     Q.Q5_K: "k5",
     Q.Q6_K: "k6",
+    Q.Q3_K: "k3",
 }
 KERNEL_TYPES = frozenset(_FORMAT_OF)
 """The block types a :class:`GGUFLinear` runs natively."""
@@ -138,6 +142,17 @@ def unpack_blocks(qtype: Q, blocks: np.ndarray) -> tuple[np.ndarray, dict[str, n
             codes = _nibbles(b[:, 48:176], 32) | (((qh & np.uint8(1)).reshape(n, -1)) << np.uint8(4))
         factors = {"D": d, "M": dmin, "sc": sc.astype(np.int8), "mn": mn.astype(np.int8)}
         return codes.reshape(rows, -1), {k: v.reshape(rows, -1) for k, v in factors.items()}
+    if qtype == Q.Q3_K:
+        hmask, qs, scales, d = b[:, 0:32], b[:, 32:96], b[:, 96:108], _f16(b[:, 108:110])
+        low = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        high = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        codes = low.reshape(n, -1) | (high.reshape(n, -1) << np.uint8(2))  # q + 4: 0..7
+        nib = scales[:, 0:8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+        top = scales[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)
+        s = ((nib.reshape(n, 16) & 0x0F) | ((top.reshape(n, 16) & 3) << 4)).astype(np.int8) - np.int8(32)
+        # w = d s (c - 4) = (D * sc) * c - M * mn with D = d, M = 4 d, sc = mn = s (all exact).
+        factors = {"D": d, "M": 4.0 * d, "sc": s, "mn": s}
+        return _by_row(rows, codes, factors)
     if qtype == Q.Q6_K:
         ql, qh, scales, d = b[:, 0:128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
         low = _nibbles(ql, 64)
@@ -146,11 +161,16 @@ def unpack_blocks(qtype: Q, blocks: np.ndarray) -> tuple[np.ndarray, dict[str, n
         sc = scales.view(np.int8)
         # w = d * sc * (c - 32) = (D * sc) * c - M * mn with D = d, M = 32 d, mn = sc (all exact).
         factors = {"D": d, "M": 32.0 * d, "sc": sc, "mn": sc}
-        return codes.reshape(rows, -1), {
-            k: np.ascontiguousarray(v).reshape(rows, -1) for k, v in factors.items()
-        }
+        return _by_row(rows, codes, factors)
     check_type(qtype, "tensor")
     raise AssertionError("unreachable")
+
+
+def _by_row(
+    rows: int, codes: np.ndarray, factors: dict[str, np.ndarray]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Per-block codes and factors -> per row ([rows, ...], contiguous)."""
+    return codes.reshape(rows, -1), {k: np.ascontiguousarray(v).reshape(rows, -1) for k, v in factors.items()}
 
 
 def _block_bytes(qtype: Q) -> int:
@@ -197,12 +217,12 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
         v = nn.functional.pad(torch.from_numpy(np.ascontiguousarray(values)), (0, 0, 0, pad))
         return v.view(tiles, TILE, -1).permute(0, 2, 1).to(dtype)
 
-    if kq:  # D and M: the file's float16 values (Q6_K's M = 32 d), kept in float16
+    if kq:  # D and M: the file's float16 values (Q6_K's M = 32 d, Q3_K's 4 d), kept in float16
         exact = torch.stack([per_tile(factors["D"], torch.float32), per_tile(factors["M"], torch.float32)], 2)
         fscales = exact.half()
         if not torch.equal(fscales.float(), exact):
             raise VerispecError(f"a {qtype.name} tensor's super-block scales do not fit float16 exactly")
-        ints = [factors["sc"]] if qtype == Q.Q6_K else [factors["sc"], factors["mn"]]  # Q6_K: mn = sc
+        ints = [factors["sc"]] if group == 16 else [factors["sc"], factors["mn"]]  # Q6_K, Q3_K: mn = sc
         iscales = torch.stack([per_tile(v, torch.int8) for v in ints], 2)
     else:
         s, o = per_tile(factors["S"], torch.float16), per_tile(factors["O"], torch.float16)
@@ -274,7 +294,7 @@ def unpack(qtype: Q, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> 
         i = parts["iscales"].view(tiles, k // group, -1, TILE).permute(0, 3, 1, 2).float()
         per = 256 // group
         scale = f[..., 0].repeat_interleave(per, dim=2) * i[..., 0]
-        offset = f[..., 1].repeat_interleave(per, dim=2) * i[..., -1]  # Q6_K keeps sc alone: mn = sc
+        offset = f[..., 1].repeat_interleave(per, dim=2) * i[..., -1]  # 16-input groups: mn = sc
         w = scale[..., None] * c - offset[..., None]
     else:
         f = parts["fscales"].view(tiles, k // group, 2, TILE).permute(0, 3, 1, 2).float()

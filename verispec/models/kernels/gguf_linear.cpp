@@ -1,4 +1,4 @@
-// A Linear over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K),
+// A Linear over a GGUF file's own quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K),
 // for x86 CPUs with AVX-512 VNNI or AVX2 (+ FMA, F16C); a portable scalar build elsewhere (correct,
 // slow: the native path is chosen by default only where a vector build is there).
 //
@@ -9,8 +9,8 @@
 // Weight format (gguf_linear.py packs it from the blocks, exactly): output channels in tiles of 16;
 // inputs in groups of G (32, or 16 for Q6_K). Every weight is w = S_g * c + O_g with an unsigned code c
 // and, per channel and group, a scale S_g and offset O_g:
-//   - "k" formats (Q4_K, Q5_K, Q6_K): S_g = D * sc_g and O_g = -(M * mn_g), with D, M float16 per
-//     channel and super-block of 256 inputs (the file's own values; Q6_K's M = 32 D) and sc_g, mn_g
+//   - "k" formats (Q3_K, Q4_K, Q5_K, Q6_K): S_g = D * sc_g and O_g = -(M * mn_g), with D, M float16 per
+//     channel and super-block of 256 inputs (the file's own values; Q6_K's M = 32 D, Q3_K's 4 D) and sc_g, mn_g
 //     int8 per channel and group (the products are exact in float32: sc and mn have at most 8 bits;
 //     float16 rather than float32 D and M cut the 1.5B's bytes a token from 1024 to 1000 MB);
 //   - "legacy" formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): S_g and O_g float16 per channel and group.
@@ -20,7 +20,8 @@
 // unpacked vector v = 0 .. G/4 - 1 (input 4v + j) at bits P v .. P v + P - 1: one shift, mask and or
 // per unpacked vector puts them in place (llama.cpp's Q6_K keeps its 2 high bits the same way).
 // Q8_0's codes (q + 128) are whole bytes instead: G/4 vectors whose byte 4c + j is input 4v + j.
-// Q6_K's offsets need no int8 of their own (mn = sc): its group scales hold sc only.
+// Q6_K's and Q3_K's offsets need no int8 of their own (mn = sc): their group scales hold sc only.
+// Q3_K's codes (q + 4, 0..7) are nibbles with no bit planes, in groups of 16 as Q6_K's.
 //
 // Activations are quantized per row and unit U of inputs (256 for "k" formats, G for legacy ones), as
 // llama.cpp's Q8_K and Q8_0: a = round(x * 127 / max|x|) with scale xs (vectorized: one call's rows
@@ -73,7 +74,7 @@ constexpr int64_t kRowBlock = VERISPEC_GGUF_AVX2 ? 4 : 8;
 constexpr int64_t kPrefetch = 1024;
 
 // Formats, as gguf_linear.py numbers them.
-enum Format : int64_t { LEG4 = 0, LEG5 = 1, LEG8 = 2, K4 = 3, K5 = 4, K6 = 5 };
+enum Format : int64_t { LEG4 = 0, LEG5 = 1, LEG8 = 2, K4 = 3, K5 = 4, K6 = 5, K3 = 6 };
 
 struct Spec {
   int64_t group, unit, planes;
@@ -89,6 +90,7 @@ Spec spec_of(int64_t fmt) {
     case K4: return {32, 256, 0, false, true, 2};
     case K5: return {32, 256, 1, false, true, 2};
     case K6: return {16, 256, 2, false, true, 1};
+    case K3: return {16, 256, 0, false, true, 1};
   }
   TORCH_CHECK(false, "gguf_linear: unknown format ", fmt);
 }
@@ -220,7 +222,7 @@ struct KLayout {
   static constexpr int64_t kPerUnit = 256 / G;
   static constexpr int64_t kCodeBytes = kTile * G / 2;
   static constexpr int64_t kHighBytes = P ? 64 : 0;
-  static constexpr int64_t kIScales = P == 2 ? 1 : 2;  // Q6_K: mn = sc
+  static constexpr int64_t kIScales = G == 16 ? 1 : 2;  // Q6_K, Q3_K: mn = sc
   const uint8_t* codes;
   const uint8_t* highs;
   const int8_t* iscales;
@@ -617,6 +619,7 @@ void tile_rows(int64_t fmt, int64_t rows, const Weights& w, const Acts& a, const
     case K4: return dispatch_rows<32, 0, false, true>(rows, w, a, bias, y, tile, m0);
     case K5: return dispatch_rows<32, 1, false, true>(rows, w, a, bias, y, tile, m0);
     case K6: return dispatch_rows<16, 2, false, true>(rows, w, a, bias, y, tile, m0);
+    case K3: return dispatch_rows<16, 0, false, true>(rows, w, a, bias, y, tile, m0);
   }
 }
 #endif
@@ -685,7 +688,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 // the same layout ~100x sooner (the 1.5B's Q6_K LM head: 4.8 s there), so a load is the file's read.
 
 // ggml's type numbers.
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct BlockType {
   int64_t inputs, bytes, fmt;
@@ -698,6 +701,7 @@ BlockType block_type(int64_t type) {
     case Q5_0: return {32, 22, LEG5};
     case Q5_1: return {32, 24, LEG5};
     case Q8_0: return {32, 34, LEG8};
+    case Q3_K: return {256, 110, K3};
     case Q4_K: return {256, 144, K4};
     case Q5_K: return {256, 176, K5};
     case Q6_K: return {256, 210, K6};
@@ -728,6 +732,19 @@ void decode_channel(int64_t type, const uint8_t* row, int64_t K, Channel& c) {
   for (int64_t b = 0; b < K / bt.inputs; ++b) {
     const uint8_t* p = row + b * bt.bytes;
     uint8_t* q = c.codes.data() + b * bt.inputs;
+    if (type == Q3_K) {  // codes q + 4 = low 2 bits | hmask bit << 2; w = d (s - 32) (c - 4)
+      const uint8_t *hm = p, *qs = p + 32, *sm = p + 96;
+      for (int64_t i = 0; i < 256; ++i)
+        q[i] = ((qs[32 * (i / 128) + i % 32] >> (2 * ((i / 32) % 4))) & 3) | (((hm[i % 32] >> (i / 32)) & 1) << 2);
+      const float d = half_to_float(load16(p + 108));
+      c.f0[b] = d;
+      c.f1[b] = 4.0f * d;
+      for (int64_t g = 0; g < 16; ++g) {
+        const int low = g < 8 ? sm[g] & 0x0F : sm[g - 8] >> 4, high = (sm[8 + g % 4] >> (2 * (g / 4))) & 3;
+        c.sc[16 * b + g] = c.mn[16 * b + g] = static_cast<int8_t>((low | (high << 4)) - 32);
+      }
+      continue;
+    }
     if (type == Q4_K || type == Q5_K || type == Q6_K) {
       if (type == Q6_K) {
         const uint8_t *ql = p, *qh = p + 128;
