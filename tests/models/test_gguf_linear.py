@@ -231,6 +231,19 @@ def test_the_kernels_packer_lays_blocks_out_as_the_reference_does(qtype: Q) -> N
         assert_same_parts(gl.pack_blocks(qtype, blocks, k), gl.pack_reference(qtype, blocks))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_several_tensors_pack_as_their_rows_one_after_another_in_any_order(qtype: Q) -> None:
+    """A fused q/k/v: the members' rows (llama.cpp's q/k permutation undone by ``order``) packed
+    into one layout are the reference's layout of those rows, concatenated and reordered."""
+    members = [random_blocks(qtype, rows, 512, seed=rows) for rows in (24, 8, 13)]
+    joint = np.concatenate(members)
+    order = np.random.default_rng(0).permutation(len(joint))
+    assert_same_parts(gl.pack_blocks(qtype, members, 512), gl.pack_reference(qtype, joint))
+    assert_same_parts(gl.pack_blocks(qtype, members, 512, order), gl.pack_reference(qtype, joint[order]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        gl.pack_blocks(qtype, members, 512, np.array([0, len(joint)]))
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q6_K], ids=lambda t: t.name)
 def test_scales_float16_cannot_hold_are_refused_by_both_packers(qtype: Q) -> None:
     blocks = random_blocks(qtype, 3, 256)

@@ -93,15 +93,31 @@ def fuse_projections(model: nn.Module, after_each: Callable[[], None] | None = N
             linear = _concatenate(members)
             if linear is None:
                 continue
-            sizes = [m.out_features for m in members]  # type: ignore[union-attr]
-            group = FusedLinear(linear, sizes)
-            setattr(parent, fused_name, group)
-            for i, name in enumerate(names):
-                setattr(parent, name, FusedPart(group, i, linear.in_features, sizes[i]))
+            install(parent, names, fused_name, linear, [m.out_features for m in members])  # type: ignore[union-attr]
             fused += 1
         if after_each is not None:
             after_each()
     return fused
+
+
+def install(
+    parent: nn.Module, names: tuple[str, ...], fused_name: str, linear: nn.Module, sizes: list[int]
+) -> None:
+    """Put ``linear`` (the outputs of the members ``names``, ``sizes`` each, one after another) on
+    ``parent`` as ``fused_name``, and a :class:`FusedPart` of it where each member stood."""
+    group = FusedLinear(linear, sizes)
+    setattr(parent, fused_name, group)
+    for i, name in enumerate(names):
+        setattr(parent, name, FusedPart(group, i, linear.in_features, sizes[i]))
+
+
+def joint_bias(members: list[nn.Module]) -> torch.Tensor | None:
+    """The members' biases one after another (zeros for a member without one), or None if none has one."""
+    if all(m.bias is None for m in members):
+        return None
+    return torch.cat(
+        [m.bias.detach() if m.bias is not None else torch.zeros(m.out_features) for m in members]
+    )
 
 
 def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
@@ -111,11 +127,7 @@ def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
         return None
     if len({m.in_features for m in members}) != 1:  # type: ignore[union-attr]
         return None
-    biases = [
-        m.bias.detach() if m.bias is not None else torch.zeros(m.out_features)  # type: ignore[union-attr]
-        for m in members
-    ]
-    bias = torch.cat(biases) if any(m.bias is not None for m in members) else None  # type: ignore[union-attr]
+    bias = joint_bias(members)  # type: ignore[arg-type]
     if kinds == {GGUFLinear}:
         return GGUFLinear.concatenate(members, bias)  # type: ignore[arg-type]
     if kinds == {RowwiseInt8Linear}:

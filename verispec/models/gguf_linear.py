@@ -19,6 +19,7 @@ Any other type is refused by name, never re-rounded into one of these.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -240,21 +241,28 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
     }
 
 
-def pack_blocks(qtype: Q, blocks: np.ndarray, in_features: int) -> dict[str, torch.Tensor]:
+def pack_blocks(
+    qtype: Q, blocks: np.ndarray | Sequence[np.ndarray], in_features: int, order: np.ndarray | None = None
+) -> dict[str, torch.Tensor]:
     """A tensor's blocks [rows, row_bytes] -> the kernel's arrays, by the kernel's own packer: the
     layout of :func:`pack` over :func:`unpack_blocks`, byte for byte (tested per type), in a single
-    pass over the blocks (the 1.5B's LM head: ~0.1 s against ~5 s for the numpy reference)."""
+    pass over the blocks (the 1.5B's LM head: ~0.25 s against ~5 s for the numpy reference).
+
+    ``blocks`` may be several tensors' blocks (q, k and v), packed as their rows one after another
+    (``order``: which of those rows each output channel is) with no copy of them on the way."""
     why = kernel_error()
     if why is not None:
         raise VerispecError(f"GGUF weights cannot run natively here: {why}")
-    data = torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
+    members = [blocks] if isinstance(blocks, np.ndarray) else list(blocks)
+    data = [torch.from_numpy(np.ascontiguousarray(m, dtype=np.uint8)) for m in members]
+    rows = None if order is None else torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
     try:
-        codes, planes, fscales, iscales = torch.ops.verispec_gguf.gguf_pack(data, int(qtype), in_features)
+        packed = torch.ops.verispec_gguf.gguf_pack(data, int(qtype), in_features, rows)
     except RuntimeError as exc:
         if "float16 does not hold" in str(exc):
             raise VerispecError(f"a {qtype.name} tensor's scales do not fit float16 exactly") from None
         raise
-    return {"codes": codes, "planes": planes, "fscales": fscales, "iscales": iscales}
+    return dict(zip(("codes", "planes", "fscales", "iscales"), packed, strict=True))
 
 
 def pack_reference(qtype: Q, blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -329,12 +337,15 @@ class GGUFLinear(nn.Module):
     def __init__(
         self,
         qtype: Q,
-        blocks: np.ndarray | torch.Tensor,
+        blocks: np.ndarray | torch.Tensor | Sequence[np.ndarray],
         shape: tuple[int, int],
         bias: torch.Tensor | None = None,
+        order: np.ndarray | None = None,
     ) -> None:
         """``blocks``: uint8 [out_features, row_bytes] as ``gguf.GGUFReader`` gives a quantized
-        tensor's ``data``; ``shape``: (out_features, in_features)."""
+        tensor's ``data``, or several such tensors whose rows are the outputs one after another (a
+        fused q/k/v); ``order``: which of those rows each output is (default: as they come);
+        ``shape``: (out_features, in_features)."""
         super().__init__()
         qtype = Q(qtype)
         check_type(qtype, "weight")
@@ -345,10 +356,13 @@ class GGUFLinear(nn.Module):
         unit = _FORMATS[_FORMAT_OF[qtype]][2]
         if in_features % unit:
             raise VerispecError(f"a {qtype.name} weight needs a multiple of {unit} inputs, not {in_features}")
-        data = blocks.numpy() if isinstance(blocks, torch.Tensor) else np.asarray(blocks)
-        if data.shape[0] != out_features:
-            raise VerispecError(f"{data.shape[0]} rows of blocks for {out_features} outputs")
-        self._adopt(qtype, pack_blocks(qtype, data, in_features), shape, bias)
+        if isinstance(blocks, torch.Tensor | np.ndarray):
+            blocks = [blocks.numpy() if isinstance(blocks, torch.Tensor) else blocks]
+        members = [np.asarray(b) for b in blocks]
+        rows = len(order) if order is not None else sum(m.shape[0] for m in members)
+        if rows != out_features:
+            raise VerispecError(f"{rows} rows of blocks for {out_features} outputs")
+        self._adopt(qtype, pack_blocks(qtype, members, in_features, order), shape, bias)
 
     @classmethod
     def from_parts(

@@ -803,15 +803,38 @@ inline uint16_t to_half(float v, bool& exact) {
   return h.x;
 }
 
-// [rows, row_bytes] blocks of ggml type `type` -> codes, planes, fscales, iscales as pack() lays them out.
-std::vector<at::Tensor> gguf_pack(const at::Tensor& blocks, int64_t type, int64_t K) {
+// Blocks of ggml type `type` -> codes, planes, fscales, iscales as pack() lays them out. `members`
+// ([rows_i, row_bytes] each) are the rows of one layer one after another (q, k and v of a fused
+// product: packed into one layout at once, with no copy to concatenate); `order`, where given, says
+// which of those rows is each output channel (llama.cpp's q/k row permutation undone as transformers
+// does it), again without a copy.
+std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_t type, int64_t K,
+                                  const std::optional<at::Tensor>& order) {
   const BlockType bt = block_type(type);
   const Spec s = spec_of(bt.fmt);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2, "gguf_pack: blocks must be uint8 [rows, bytes]");
-  TORCH_CHECK(K % bt.inputs == 0 && blocks.size(1) == K / bt.inputs * bt.bytes,
-              "gguf_pack: ", blocks.size(1), " bytes a row do not hold ", K, " inputs");
-  const at::Tensor bc = blocks.contiguous();
-  const int64_t N = bc.size(0), tiles = (N + kTile - 1) / kTile, groups = K / s.group, units = K / s.unit;
+  TORCH_CHECK(K % bt.inputs == 0, "gguf_pack: ", K, " inputs are not whole blocks");
+  const int64_t row_bytes = K / bt.inputs * bt.bytes;
+  std::vector<at::Tensor> kept;  // contiguous views (or copies) alive while the pointers are used
+  std::vector<const uint8_t*> rows;
+  for (const at::Tensor& m : members) {
+    TORCH_CHECK(m.scalar_type() == at::kByte && m.dim() == 2 && m.size(1) == row_bytes,
+                "gguf_pack: blocks must be uint8 [rows, ", row_bytes, "] for ", K, " inputs");
+    kept.push_back(m.contiguous());
+    const uint8_t* base = kept.back().data_ptr<uint8_t>();
+    for (int64_t r = 0; r < m.size(0); ++r) rows.push_back(base + r * row_bytes);
+  }
+  if (order.has_value() && order->defined()) {
+    const at::Tensor oc = order->to(at::kLong).contiguous();
+    const int64_t* o = oc.data_ptr<int64_t>();
+    std::vector<const uint8_t*> picked(oc.numel());
+    for (int64_t i = 0; i < oc.numel(); ++i) {
+      TORCH_CHECK(o[i] >= 0 && o[i] < static_cast<int64_t>(rows.size()), "gguf_pack: row ", o[i], " out of range");
+      picked[i] = rows[o[i]];
+    }
+    rows.swap(picked);
+  }
+  const int64_t N = static_cast<int64_t>(rows.size()), tiles = (N + kTile - 1) / kTile, groups = K / s.group,
+                units = K / s.unit;
   const int64_t nf = s.kq ? units : groups;  // float factors per channel
   const auto u8 = at::TensorOptions().dtype(at::kByte);
   // Left uninitialized: every byte of a whole tile is written below, and a last tile's padding is
@@ -821,8 +844,6 @@ std::vector<at::Tensor> gguf_pack(const at::Tensor& blocks, int64_t type, int64_
   at::Tensor fscales = at::empty({tiles, nf * 2 * kTile}, at::TensorOptions().dtype(at::kHalf));
   const auto i8 = at::TensorOptions().dtype(at::kChar);
   at::Tensor iscales = at::empty(s.kq ? at::IntArrayRef{tiles, groups * s.iscales * kTile} : at::IntArrayRef{0}, i8);
-  const uint8_t* src = bc.data_ptr<uint8_t>();
-  const int64_t row_bytes = bc.size(1);
   uint8_t *cp = codes.data_ptr<uint8_t>(), *pp = s.planes ? planes.data_ptr<uint8_t>() : nullptr;
   uint16_t* fp = reinterpret_cast<uint16_t*>(fscales.data_ptr<at::Half>());
   int8_t* ip = s.kq ? iscales.data_ptr<int8_t>() : nullptr;
@@ -843,7 +864,7 @@ std::vector<at::Tensor> gguf_pack(const at::Tensor& blocks, int64_t type, int64_
         if (ti) std::memset(ti, 0, groups * s.iscales * kTile);
       }
       for (int64_t ch = 0; ch < kTile && t * kTile + ch < N; ++ch) {
-        decode_channel(type, src + (t * kTile + ch) * row_bytes, K, c);
+        decode_channel(type, rows[t * kTile + ch], K, c);
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* q = c.codes.data() + g * s.group;
           uint8_t* gc = tc + g * code_bytes(s);
@@ -885,7 +906,7 @@ TORCH_LIBRARY(verispec_gguf, m) {
   m.def("gguf_linear(Tensor x, Tensor codes, Tensor planes, Tensor fscales, Tensor iscales, Tensor? bias, int fmt, "
         "int out_features) -> Tensor");
   m.def("gguf_linear_vectorized() -> bool", &gguf_linear_vectorized);
-  m.def("gguf_pack(Tensor blocks, int type, int in_features) -> Tensor[]", &gguf_pack);
+  m.def("gguf_pack(Tensor[] members, int type, int in_features, Tensor? order) -> Tensor[]", &gguf_pack);
 }
 
 TORCH_LIBRARY_IMPL(verispec_gguf, CPU, m) { m.impl("gguf_linear", gguf_linear); }
