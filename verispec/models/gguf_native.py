@@ -60,7 +60,7 @@ from torch import nn
 from verispec.config import ModelLoadConfig
 from verispec.errors import VerispecError
 from verispec.models import rope_freqs
-from verispec.models.fused import GROUPS, fuse_projections, install, joint_bias
+from verispec.models.fused import GROUPS, install, joint_bias
 from verispec.models.gguf_file import GGUFFile, GGUFTensor, Q, read_gguf
 from verispec.models.gguf_linear import GGUFLinear, check_type
 from verispec.models.hf import HFCausalLM
@@ -174,9 +174,7 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
         _fill(model, file, config)
         if divisors is not None:
             rope_freqs.set_frequencies(model, divisors)
-        # q/k/v and gate/up of one block type as one product each; each block's replaced members'
-        # pages go back at once, so the load peaks at one block's copy above the packed model
-        fuse_projections(model, after_each=_return_freed_pages)
+        # (q/k/v and gate/up were packed as one product each already: _pack_groups)
         _return_freed_pages()  # the packing's temporaries
         tokenizer = _load_tokenizer(folder if cached else None, path)
     if not cached:
@@ -191,11 +189,12 @@ def load_gguf(path: Path, name: str, cfg: ModelLoadConfig) -> HFCausalLM:
 
 
 def _return_freed_pages() -> None:
-    """Give the pages freed while packing and fusing back to the system (glibc's ``malloc_trim``).
+    """Give the pages freed during the load back to the system (glibc's ``malloc_trim``).
 
-    glibc keeps freed heap pages mapped, and the packing's temporaries and the members replaced by
-    fused layers leave many: the 8B-shaped Q4_K_M file stayed at 8.1 GB of RSS after loading with
-    them, 5.1 GB after the trim (the file is 4.9 GB). Elsewhere (no glibc) nothing is done."""
+    glibc keeps freed heap pages mapped: when the blocks were packed in numpy and fused by copying,
+    the 8B-shaped Q4_K_M file stayed at 8.1 GB of RSS after loading without the trim, 5.1 GB with it
+    (the file is 4.9 GB). The kernel's packer leaves few temporaries; the trim stays for whatever
+    the rest of the load frees. Elsewhere (no glibc) nothing is done."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):  # musl and other C libraries: no malloc_trim
