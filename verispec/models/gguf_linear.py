@@ -8,7 +8,7 @@ the file's own blocks). Here every weight stays exactly what ``gguf``'s de-quant
 each block type factors into exactly (:func:`unpack_blocks`; tested against ``gguf.quants`` per
 type). :func:`pack` lays codes and scales out for verispec's kernel (``kernels/gguf_linear.cpp``,
 compiled on first use like the int4 kernel); the kernel's own packer (:func:`pack_blocks`) writes
-the same layout straight from the blocks, ~15x sooner, and :func:`pack` stays its readable reference.
+the same layout straight from the blocks, ~20x sooner, and :func:`pack` stays its readable reference.
 
 Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (groups of 32 with float16 scale and offset) and Q4_K, Q5_K,
 Q6_K (float16 super-block scales times int8 group scales), and Q3_K the same way with its 3-bit
