@@ -28,9 +28,10 @@ from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.models import gguf_linear, gguf_native, load_model
 from verispec.models.fused import GROUPS, FusedLinear, FusedPart
+from verispec.models.gguf_embedding import GGUFEmbedding
 from verispec.models.gguf_file import read_gguf
 from verispec.models.gguf_linear import GGUFLinear
-from verispec.models.gguf_native import META_DONE, GGUFEmbedding
+from verispec.models.gguf_native import META_DONE
 from verispec.models.hf import HFCausalLM
 from verispec.models.quant import resolve_quantization
 from verispec.models.registry import BUNDLED, cache_root, ensure_gguf
