@@ -38,22 +38,45 @@ def same_positions(a: KVBuffer, b: KVBuffer, n: int) -> bool:
     )
 
 
-def test_a_prompt_takes_the_longest_run_of_whole_blocks_it_shares():
+def test_a_prompt_takes_the_longest_prefix_it_shares_to_the_token():
     cache = PrefixCache(10**9)
     ids = list(range(100, 100 + 3 * BLOCK + 5))
     source = filled(len(ids))
-    assert cache.keep("a", ids, source) == 3  # the 5 tokens past the last whole block are not kept
+    assert cache.keep("a", ids, source) == 4  # three whole blocks and the 5 tokens after them
     assert cache.keep("a", ids, source) == 0  # nothing new the second time
     again = KVBuffer()
     got = cache.reuse("a", [*ids, 7, 8], again, limit=len(ids) + 1)
-    assert got.tokens == 3 * BLOCK == again.length
-    assert same_positions(source, again, 3 * BLOCK)
-    # a prompt that differs inside the second block reuses the first only
-    other = [*ids[:BLOCK], 1, *ids[BLOCK + 1 :]]
-    assert cache.reuse("a", other, KVBuffer(), limit=len(other)).tokens == BLOCK
-    # the limit keeps the prompt's last token out, block by block
-    assert cache.reuse("a", ids, KVBuffer(), limit=2 * BLOCK + 3).tokens == 2 * BLOCK
-    assert cache.hits == 3 * BLOCK + BLOCK + 2 * BLOCK
+    assert got.tokens == len(ids) == again.length
+    assert same_positions(source, again, len(ids))
+    # a prompt that differs inside the second block takes the first and the second's first token
+    other = [*ids[: BLOCK + 1], 1, *ids[BLOCK + 2 :]]
+    taken = KVBuffer()
+    assert cache.reuse("a", other, taken, limit=len(other)).tokens == BLOCK + 1
+    assert same_positions(source, taken, BLOCK + 1)
+    # the limit keeps the prompt's last token out
+    assert cache.reuse("a", ids, KVBuffer(), limit=2 * BLOCK + 3).tokens == 2 * BLOCK + 3
+    assert cache.reuse("a", [*ids[:5], 9], KVBuffer(), limit=6).tokens == 5
+    assert cache.hits == len(ids) + BLOCK + 1 + 2 * BLOCK + 3 + 5
+
+
+def test_a_longer_partial_block_replaces_the_one_it_extends():
+    cache = PrefixCache(10**9)
+    ids = list(range(BLOCK + 3))
+    source = filled(2 * BLOCK + 2)
+    assert cache.keep("a", ids, source) == 2
+    longer = [*ids, 50, 51]
+    assert cache.keep("a", longer, source) == 1  # the 5-token tail; the 3-token one is dropped
+    assert len(cache) == 2
+    assert cache.keep("a", ids, source) == 0  # a tail that a stored block starts with is not kept
+    whole = [*longer, *range(60, 60 + BLOCK - 5)]
+    assert cache.keep("a", whole, source) == 1 and len(cache) == 2  # a whole block replaces it
+    got = KVBuffer()
+    assert cache.reuse("a", [*whole, 0], got, limit=len(whole)).tokens == 2 * BLOCK
+    assert same_positions(source, got, 2 * BLOCK)
+    # sibling tails of one parent: the one sharing the most is taken
+    cache.keep("a", [*ids[:BLOCK], 7, 8, 9], filled(BLOCK + 3, seed=3))
+    assert cache.reuse("a", [*ids[:BLOCK], 7, 8, 5, 5], KVBuffer(), limit=BLOCK + 4).tokens == BLOCK + 2
+    assert cache.reuse("a", [*whole[: BLOCK + 4], 9, 9], KVBuffer(), limit=BLOCK + 6).tokens == BLOCK + 4
 
 
 def test_scopes_never_see_each_others_blocks():
@@ -96,7 +119,7 @@ def test_a_draft_models_blocks_are_apart_from_the_targets_and_not_counted_as_hit
     target, draft = filled(len(ids), seed=1), filled(len(ids), seed=2)
     cache.keep("s", ids, target)
     assert cache.reuse("s", ids, KVBuffer(), limit=len(ids) - 1, part=DRAFT).tokens == 0
-    assert cache.keep("s", ids, draft, part=DRAFT) == 2  # same scope and tokens: blocks of its own
+    assert cache.keep("s", ids, draft, part=DRAFT) == 3  # same scope and tokens: blocks of its own
     mine, theirs = KVBuffer(), KVBuffer()
     assert cache.reuse("s", ids, mine, limit=len(ids) - 1, part=DRAFT).tokens == 2 * BLOCK
     assert cache.reuse("s", ids, theirs, limit=len(ids) - 1).tokens == 2 * BLOCK
@@ -184,9 +207,9 @@ def test_later_turns_reuse_the_conversation_and_change_nothing(int8_target, meth
         assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
         assert [e.top_logprobs for e in a.events] == [e.top_logprobs for e in b.events]
     assert cached[0].stats.cached_prompt_tokens == 0
-    for later in cached[1:]:  # the earlier prompt and reply came from the cache, whole blocks of them
+    for later in cached[1:]:  # the earlier prompt and reply came from the cache, to the token
         shared = later.stats.prompt_tokens - 4 - 1  # all but the new text and the reply's last token
-        assert later.stats.cached_prompt_tokens == shared // BLOCK * BLOCK > 0
+        assert later.stats.cached_prompt_tokens == shared > 0
     assert all(g.stats.cached_prompt_tokens == 0 for g in fresh)
     if method is not None:
         assert sum(g.stats.num_accepted for g in cached) > 0
@@ -209,10 +232,10 @@ def test_a_draft_model_takes_its_own_keys_and_values_from_the_cache_and_drafts_t
         assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
         assert (a.stats.num_drafted, a.stats.num_accepted) == (b.stats.num_drafted, b.stats.num_accepted)
     assert sum(g.stats.num_accepted for g in cached) > 0
-    # the draft skipped the positions the target reused, but for the last block of an earlier turn
-    # where the draft's cache held a token fewer (a fully accepted draft's last token is never fed)
+    # the draft skipped the positions the target reused, its replies' included, but for at most a
+    # token a turn (a fully accepted draft's last token is never fed to the draft)
     reused, skipped = sum(g.stats.cached_prompt_tokens for g in cached), fed.tokens - cached_fed
-    assert 0 < reused - 2 * BLOCK <= skipped <= reused
+    assert 0 < reused - (len(cached) - 1) <= skipped <= reused
 
 
 def test_private_requests_and_other_scopes_reuse_nothing(int8_target):

@@ -4,7 +4,10 @@ A chat resends its whole conversation every turn and an agent its whole transcri
 CPU a prefill runs at tens to a few hundred tokens per second, so recomputing them costs seconds
 before the first token. Here a sequence that ends leaves its keys and values behind in blocks of
 :data:`BLOCK` tokens, and a new sequence whose prompt starts with the same blocks takes them instead
-of computing them: its prefill starts after the last shared block.
+of computing them. Reuse goes to the token, not to the block: a prompt takes the run of whole blocks
+it starts with, then as many first positions of the next block as it shares with one stored under
+the last of them (a sequence's last, partial block is stored too), as SGLang's radix cache does. A
+chat's next turn recomputes only its new text, not up to ``BLOCK - 1`` tokens of the last one with it.
 
 **Exact.** On the paths where a position's keys, values and hidden state depend on its tokens alone,
 not on how the forwards that computed it were grouped (GGUF and int8 weights with verispec's
@@ -36,6 +39,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 import torch
@@ -43,8 +47,15 @@ import torch
 from verispec.models.kv import KVBuffer
 
 BLOCK = 16
-"""Tokens per block: a later prompt reuses whole blocks, so at most BLOCK - 1 shared tokens are
-recomputed; smaller blocks cost more hashing and more tensors per token."""
+"""Tokens per block. Reuse is not limited to whole blocks: a block's first m positions serve any
+prompt that shares its first m tokens (a position's keys depend on the tokens up to it alone), and a
+sequence's last, partial block is kept too, so a later turn recomputes only its new text. Smaller
+blocks cost more hashing and more tensors per token."""
+
+CANDIDATES = 64
+"""Blocks under one parent compared token by token where a prompt leaves the chain of whole blocks
+(most recent first): bounds a lookup's cost under a parent with many continuations (a shared system
+prompt's); a longer match past them is missed, never a wrong one taken."""
 
 TARGET, DRAFT = "", "draft"
 """Whose positions a block holds (the ``part`` of :meth:`PrefixCache.reuse` and :meth:`PrefixCache.keep`):
@@ -53,10 +64,11 @@ the target's, or a draft model's. The part enters the first hash of the chain, s
 
 @dataclass(eq=False)
 class _Block:
-    tokens: tuple[int, ...]
-    keys: torch.Tensor  # [L, Hkv, BLOCK, D]
+    tokens: tuple[int, ...]  # BLOCK of them, fewer for a sequence's last, partial block
+    parent: bytes  # the key of the block before it (or of the scope)
+    keys: torch.Tensor  # [L, Hkv, len(tokens), D]
     values: torch.Tensor
-    hidden: torch.Tensor | None  # [BLOCK, H'] where the engine keeps hidden rows
+    hidden: torch.Tensor | None  # [len(tokens), H'] where the engine keeps hidden rows
     nbytes: int
 
 
@@ -65,7 +77,7 @@ class Reused:
     """What a lookup handed to a sequence."""
 
     tokens: int
-    """Positions now in the sequence's cache (a multiple of :data:`BLOCK`)."""
+    """Positions now in the sequence's cache."""
     hidden: torch.Tensor | None
     """Their hidden rows, ``[tokens, H']``, where the cache keeps them."""
 
@@ -77,6 +89,7 @@ class PrefixCache:
         self.budget_bytes = budget_bytes
         self.nbytes = 0
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
+        self._children: dict[bytes, dict[bytes, None]] = {}  # parent -> its blocks, oldest first
         self.hits = 0
         """Tokens handed out by lookups (reused instead of computed)."""
         self.queried = 0
@@ -95,37 +108,42 @@ class PrefixCache:
         with_hidden: bool = False,
         part: str = TARGET,
     ) -> Reused:
-        """Fill the empty ``cache`` with the longest run of cached blocks of ``part`` that starts
-        ``token_ids``, at most ``limit`` positions (the engine keeps the prompt's last token to feed
-        itself); ``with_hidden``: only blocks that kept their hidden rows. :attr:`hits` and
-        :attr:`queried` count the target's lookups."""
+        """Fill the empty ``cache`` with the longest prefix of ``token_ids`` that cached blocks of
+        ``part`` hold, at most ``limit`` positions (the engine keeps the prompt's last token to feed
+        itself): the run of whole blocks it starts with, then the first positions of the block under
+        the last of them that shares the most of the next tokens. ``with_hidden``: only blocks that
+        kept their hidden rows. :attr:`hits` and :attr:`queried` count the target's lookups."""
         if cache.length:
             raise ValueError("a prefix is reused into an empty cache only")
         if part == TARGET:
             self.queried += max(0, limit)
-        found: list[_Block] = []
-        keys_found: list[bytes] = []
-        for key, tokens in _chain(scope, token_ids, limit // BLOCK, part):
+        found: list[tuple[bytes, _Block, int]] = []  # key, block, positions taken from it
+        parent = _root(scope, part)
+        for key, tokens in _chain(parent, token_ids, limit // BLOCK):
             block = self._blocks.get(key)
             if block is None or block.tokens != tokens or (with_hidden and block.hidden is None):
                 break
-            found.append(block)
-            keys_found.append(key)
+            found.append((key, block, BLOCK))
+            parent = key
+        start = len(found) * BLOCK
+        partial = self._partial(parent, tuple(token_ids[start : min(limit, start + BLOCK)]), with_hidden)
+        if partial is not None:
+            found.append(partial)
         if not found:
             return Reused(0, None)
-        for key in reversed(keys_found):  # last block first: the first blocks are evicted last
+        for key, _, _ in reversed(found):  # last block first: the first blocks are evicted last
             self._blocks.move_to_end(key)
-        keys = torch.cat([b.keys for b in found], dim=2)  # [L, Hkv, n, D]
-        values = torch.cat([b.values for b in found], dim=2)
+        keys = torch.cat([b.keys[:, :, :m] for _, b, m in found], dim=2)  # [L, Hkv, n, D]
+        values = torch.cat([b.values[:, :, :m] for _, b, m in found], dim=2)
         for layer in range(keys.shape[0]):
             cache.write(layer, 0, keys[layer], values[layer])
-        n = len(found) * BLOCK
+        n = keys.shape[2]
         cache.advance(n)
         if part == TARGET:
             self.hits += n
         hidden = None
         if with_hidden:
-            hidden = torch.cat([b.hidden for b in found if b.hidden is not None])
+            hidden = torch.cat([b.hidden[:m] for _, b, m in found if b.hidden is not None])
         return Reused(n, hidden)
 
     def keep(
@@ -137,68 +155,135 @@ class PrefixCache:
         *,
         part: str = TARGET,
     ) -> int:
-        """Store the whole blocks of ``cache`` (``part``'s positions) that are not stored yet;
-        returns how many were new.
+        """Store the blocks of ``cache`` (``part``'s positions) that are not stored yet, the last
+        one partial where the positions end inside a block; returns how many were new.
 
         ``token_ids`` are the tokens at the cache's positions (at least ``cache.length`` of them;
-        only full blocks of positions the cache holds are kept). ``hidden``: their hidden rows, one
-        per cached position, or None where the engine keeps none."""
+        only positions the cache holds are kept). ``hidden``: their hidden rows, one per cached
+        position, or None where the engine keeps none. A partial block that a new block extends
+        is dropped: the longer one serves every prompt the shorter did."""
         if not self.budget_bytes:
             return 0
         held = min(cache.length, len(token_ids))
         if hidden is not None:
             held = min(held, hidden.shape[0])
-        chain = list(_chain(scope, token_ids, held // BLOCK, part))
-        new = [(i, key, tokens) for i, (key, tokens) in enumerate(chain) if key not in self._blocks]
-        if not new:
-            for key, _ in reversed(chain):
-                self._blocks.move_to_end(key)
-            return 0
-        layers = sorted(cache.keys)
-        first, last = new[0][0] * BLOCK, (new[-1][0] + 1) * BLOCK
-        keys = torch.stack([cache.keys[i][:, first:last] for i in layers])  # [L, Hkv, span, D]
-        values = torch.stack([cache.values[i][:, first:last] for i in layers])
-        for i, key, tokens in new:
-            lo, hi = i * BLOCK - first, (i + 1) * BLOCK - first
-            block = _Block(
-                tokens,
-                keys[:, :, lo:hi].clone(),
-                values[:, :, lo:hi].clone(),
-                hidden[i * BLOCK : (i + 1) * BLOCK].clone() if hidden is not None else None,
-                0,
-            )
-            block.nbytes = sum(_bytes(t) for t in (block.keys, block.values, block.hidden))
-            self._blocks[key] = block
-            self.nbytes += block.nbytes
+        root = _root(scope, part)
+        chain = _chain(root, token_ids, held // BLOCK)
+        tail = tuple(token_ids[len(chain) * BLOCK : held])
+        if tail:
+            chain.append((_next(chain[-1][0] if chain else root, tail), tail))
+        parents = [root] + [key for key, _ in chain[:-1]]
+        new = []
+        for i, ((key, tokens), parent) in enumerate(zip(chain, parents, strict=True)):
+            if key not in self._blocks and not (len(tokens) < BLOCK and self._covered(parent, tokens)):
+                new.append((i, key, tokens, parent))
+        if new:
+            layers = sorted(cache.keys)
+            first, last = new[0][0] * BLOCK, new[-1][0] * BLOCK + len(new[-1][2])
+            keys = torch.stack([cache.keys[i][:, first:last] for i in layers])  # [L, Hkv, span, D]
+            values = torch.stack([cache.values[i][:, first:last] for i in layers])
+            for i, key, tokens, parent in new:
+                lo, hi = i * BLOCK - first, i * BLOCK - first + len(tokens)
+                rows = hidden[i * BLOCK : i * BLOCK + len(tokens)].clone() if hidden is not None else None
+                block = _Block(
+                    tokens, parent, keys[:, :, lo:hi].clone(), values[:, :, lo:hi].clone(), rows, 0
+                )
+                block.nbytes = sum(_bytes(t) for t in (block.keys, block.values, block.hidden))
+                self._drop_prefixes_of(parent, tokens)
+                self._blocks[key] = block
+                self._children.setdefault(parent, {})[key] = None
+                self.nbytes += block.nbytes
         for key, _ in reversed(chain):
-            self._blocks.move_to_end(key)
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
         self._evict()
         return len(new)
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._children.clear()
         self.nbytes = 0
+
+    def _partial(
+        self, parent: bytes, wanted: tuple[int, ...], with_hidden: bool
+    ) -> tuple[bytes, _Block, int] | None:
+        """The block under ``parent`` whose first tokens match the most of ``wanted`` (at least
+        one), and how many; among the :data:`CANDIDATES` most recently stored."""
+        best: tuple[bytes, _Block, int] | None = None
+        if not wanted:
+            return None
+        children = self._children.get(parent, {})
+        for key in islice(reversed(children), CANDIDATES):
+            block = self._blocks[key]
+            if with_hidden and block.hidden is None:
+                continue
+            m = _common(block.tokens, wanted)
+            if m and (best is None or m > best[2]):
+                best = (key, block, m)
+                if m == len(wanted):
+                    break
+        return best
+
+    def _covered(self, parent: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether a stored block under ``parent`` starts with ``tokens`` (a partial block's)."""
+        return any(
+            self._blocks[key].tokens[: len(tokens)] == tokens for key in self._children.get(parent, {})
+        )
+
+    def _drop_prefixes_of(self, parent: bytes, tokens: tuple[int, ...]) -> None:
+        """Remove the partial blocks under ``parent`` that ``tokens`` extend."""
+        for key in list(self._children.get(parent, {})):
+            block = self._blocks[key]
+            if len(block.tokens) < len(tokens) and tokens[: len(block.tokens)] == block.tokens:
+                self._remove(key)
+
+    def _remove(self, key: bytes) -> None:
+        block = self._blocks.pop(key)
+        self.nbytes -= block.nbytes
+        siblings = self._children.get(block.parent)
+        if siblings is not None:
+            siblings.pop(key, None)
+            if not siblings:
+                del self._children[block.parent]
 
     def _evict(self) -> None:
         while self.nbytes > self.budget_bytes and self._blocks:
-            _, block = self._blocks.popitem(last=False)
-            self.nbytes -= block.nbytes
+            self._remove(next(iter(self._blocks)))
 
 
-def _chain(
-    scope: str, token_ids: Sequence[int], blocks: int, part: str = TARGET
-) -> list[tuple[bytes, tuple[int, ...]]]:
-    """The first ``blocks`` blocks of ``token_ids``: each one's chained key and its tokens."""
-    ids = np.asarray(token_ids[: blocks * BLOCK], dtype=np.int64)
-    digest = hashlib.blake2b(
+def _root(scope: str, part: str) -> bytes:
+    """The key the chain of ``scope``'s (and ``part``'s) blocks starts from."""
+    return hashlib.blake2b(
         scope.encode(), digest_size=16, person=b"verispec-prefix", salt=part.encode()
     ).digest()
+
+
+def _next(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The key of the block holding ``tokens`` after the block (or scope) keyed ``parent``."""
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+def _chain(root: bytes, token_ids: Sequence[int], blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
+    """The first ``blocks`` whole blocks of ``token_ids`` after ``root``: each one's chained key and
+    its tokens."""
+    ids = np.asarray(token_ids[: blocks * BLOCK], dtype=np.int64)
     out = []
+    digest = root
     for i in range(blocks):
         chunk = ids[i * BLOCK : (i + 1) * BLOCK]
         digest = hashlib.blake2b(digest + chunk.tobytes(), digest_size=16).digest()
         out.append((digest, tuple(chunk.tolist())))
     return out
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _bytes(t: torch.Tensor | None) -> int:

@@ -78,6 +78,9 @@ class SeqState:
     hidden_rows: list[torch.Tensor] | None = None
     """Where the prefix cache will keep this sequence's hidden rows: one per cached position, as
     the target's forwards gave them (None: it keeps none for this sequence)."""
+    tail_in_decode: bool = False
+    """Whether the rest of its prompt is fed by this step's decode forward, before its pending
+    token, instead of by a prefill forward of its own (see :meth:`~verispec.engine.step.Step.prefill`)."""
 
     @property
     def prompt_len(self) -> int:

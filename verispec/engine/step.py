@@ -3,7 +3,9 @@
 - **prefill**: each new sequence first takes the longest prefix of its prompt that the prefix cache
   holds for its scope (:mod:`verispec.engine.prefix_cache`), then feeds the rest of its prompt
   tokens but the last, in chunks within a per-step token budget (a draft model is fed them too
-  where the depth policy expects to use it);
+  where the depth policy expects to use it). Where nothing needs the prompt's hidden states and
+  rows are position-invariant, the last chunk rides in the step's decode forward instead, before
+  the pending token: the first token costs one pass over the weights, not two;
 - **decode** (:meth:`Step.decode`): propose -> verify -> commit or roll back -> stats. The
   proposer drafts for every sequence (:mod:`verispec.engine.drafting`); one batched target forward
   scores every row's ``[pending, d_1 .. d_N]`` (a tree's nodes under a tree mask); each row is
@@ -61,7 +63,7 @@ class Step:
     def run(self) -> list[RequestOutput]:
         """Prefill the next chunks, then decode every prefilled sequence once."""
         outputs = self.prefill()
-        ready = [s for s in self.scheduler.running if s.prefilled]
+        ready = [s for s in self.scheduler.running if s.prefilled or s.tail_in_decode]
         if ready:
             outputs += self.guarded(ready, self.decode)
         return outputs
@@ -87,6 +89,10 @@ class Step:
             hidden = scored.hidden[b][result.kept_rows] if scored.hidden is not None else None
             outputs.append(self._commit(seq, result, logits[result.kept_rows], hidden))
             results.append(result)
+            if seq.tail_in_decode:  # its prompt is there for requests that start alike, while it runs
+                seq.tail_in_decode = False
+                if not outputs[-1].finished:
+                    self.scheduler.keep_prefix(seq)
         self._record(seqs, drafts, results, rows, (started, proposed, forwarded))
         return outputs
 
@@ -108,12 +114,28 @@ class Step:
                 break
             start = seq.cache.length
             end = min(len(seq.token_ids) - 1, (start // chunk + 1) * chunk)
+            budget -= end - start
+            if end == len(seq.token_ids) - 1 and self._tail_joins_decode(seq):
+                seq.tail_in_decode = True
+                continue
             seqs.append(seq)
             rows.append(seq.token_ids[start:end])
-            budget -= end - start
         if not seqs:
             return failed
         return failed + self.guarded(seqs, lambda seqs: self._prefill_chunks(seqs, rows))
+
+    def _tail_joins_decode(self, seq: SeqState) -> bool:
+        """Whether ``seq``'s last prompt chunk can be fed in the decode forward, before its pending
+        token: only where that gives its positions the very bits a prefill would (position-invariant
+        rows) and nothing needs what a prefill hands on (hidden rows for a proposer or the tap, the
+        prompt fed to a draft model, which it would have to catch up on, the prompt's log-probabilities)."""
+        proposer = self.proposer
+        return (
+            getattr(self.target, "position_invariant", False)
+            and not self._needs_hidden
+            and (proposer is None or not proposer.backlog(seq.proposer_state, seq.token_ids))
+            and seq.request.prompt_logprobs is None
+        )
 
     def guarded(
         self, seqs: list[SeqState], work: Callable[[list[SeqState]], list[RequestOutput]]
@@ -224,10 +246,12 @@ class Step:
         if hidden is not None and seq.hidden_rows is not None:
             seq.hidden_rows.append(hidden)
         output = commit_tokens(seq, result.tokens, result.num_accepted, self.target.eos_token_ids, scored)
+        if self.proposer is not None and seq.proposer_state is not None:
+            # a finishing sequence too: a draft model's cache is trimmed to the accepted tokens, so
+            # the prefix cache can keep its positions of the reply for the next turn
+            self.proposer.update(seq.proposer_state, seq.token_ids, result.num_accepted, hidden)
         if output.finished:
             self.scheduler.release(seq)
-        elif self.proposer is not None and seq.proposer_state is not None:
-            self.proposer.update(seq.proposer_state, seq.token_ids, result.num_accepted, hidden)
         if hidden is not None:
             self.tap.committed(seq, hidden, logits, len(seq.token_ids) - before)
         return output
@@ -273,30 +297,49 @@ class VerifyRows:
     """The target's input for a decode step: per sequence its pending token and draft tokens."""
 
     starts: list[int]
-    """Each sequence's cache length before the forward: where its pending token goes."""
+    """Each sequence's pending token's position (its cache length after the prompt's tail)."""
     tokens: list[list[int]]
+    """Per sequence: the rest of its prompt where it rides in this forward, the pending token, the
+    draft's tokens."""
     positions: list[list[int]] | None
-    """Per row (trees only): the pending token's position, then each node's (its parent's + 1)."""
+    """Per row (trees only): the prompt tail's positions, the pending token's, then each node's
+    (its parent's + 1)."""
     masks: list[torch.Tensor | None] | None
     """Per row (trees only): which of the row's tokens each may attend to; None for a chain."""
+    cached: list[int]
+    """Each sequence's cache length before the forward."""
 
     @classmethod
     def of(cls, seqs: list[SeqState], drafts: list[Draft]) -> VerifyRows:
-        starts = [s.cache.length for s in seqs]
+        cached = [s.cache.length for s in seqs]
+        starts = [len(s.token_ids) - 1 for s in seqs]
         tokens, positions, masks = [], [], []
-        for seq, draft, start in zip(seqs, drafts, starts, strict=True):
-            tokens.append(seq.token_ids[start:] + draft.tokens.tolist())  # the pending token is the root
+        for seq, draft, start, held in zip(seqs, drafts, starts, cached, strict=True):
+            tokens.append(seq.token_ids[held:] + draft.tokens.tolist())  # the pending token is the root
             pos, mask = tree_attention_inputs(draft, start)
+            if mask is not None and held < start:
+                pos, mask = list(range(held, start)) + pos, _after_tail(mask, start - held)
             positions.append(pos)
             masks.append(mask)
         if all(m is None for m in masks):  # only chains: the model's causal path
-            return cls(starts, tokens, None, None)
-        return cls(starts, tokens, positions, masks)
+            return cls(starts, tokens, None, None, cached)
+        return cls(starts, tokens, positions, masks, cached)
 
     @property
     def key_queries(self) -> int:
         """Query tokens times the cached keys each attends to, summed: what the context adds to the cost."""
-        return sum(len(r) * start for r, start in zip(self.tokens, self.starts, strict=True))
+        return sum(len(r) * held for r, held in zip(self.tokens, self.cached, strict=True))
+
+
+def _after_tail(mask: torch.Tensor, tail: int) -> torch.Tensor:
+    """A tree's mask ``[n, n]`` behind ``tail`` prompt tokens in the same row: they attend
+    causally among themselves, and every node attends to all of them and to its own ancestors."""
+    n = mask.shape[0]
+    out = torch.zeros(tail + n, tail + n, dtype=torch.bool)
+    out[:tail, :tail] = torch.ones(tail, tail, dtype=torch.bool).tril()
+    out[tail:, :tail] = True
+    out[tail:, tail:] = mask
+    return out
 
 
 def _judged(seq: SeqState, draft: Draft, logits: torch.Tensor) -> torch.Tensor:

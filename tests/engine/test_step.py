@@ -1,0 +1,154 @@
+"""A prompt's last chunk fed in the first decode forward: the same output, log-probabilities and draws
+as a prefill forward of its own, one forward fewer, and only where nothing needs that prefill."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from tests.conftest import perturbed, tiny_llama
+from tests.tree_proposer import TopTwoTree
+from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
+from verispec.engine import SpecEngine
+from verispec.engine.step import Step, VerifyRows
+from verispec.models.base import BatchOutput
+from verispec.models.hf import HFCausalLM
+from verispec.models.kv import KVBuffer
+from verispec.models.quant import quantize_model
+from verispec.proposers import build_proposer
+from verispec.types import Draft
+
+PROMPTS = [list(range(5, 45)), [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3] * 7, [9, 8, 7] * 3]
+
+
+class BlindTree(TopTwoTree):
+    """:class:`TopTwoTree` without the target's hidden states: its trees may follow a prompt tail."""
+
+    needs_hidden = False
+
+    def update(
+        self, state: list[torch.Tensor], token_ids: Sequence[int], num_accepted: int, hidden=None
+    ) -> None:
+        return None
+
+
+class Forwards:
+    """Counts a model's forwards and the rows each had (wraps its ``forward_batch``)."""
+
+    def __init__(self, model: HFCausalLM) -> None:
+        self.inner, self.rows = model.forward_batch, []
+
+    def __call__(self, caches: list[KVBuffer], tokens: list[list[int]], **kwargs: object) -> BatchOutput:
+        self.rows.append([len(t) for t in tokens])
+        return self.inner(caches, tokens, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def int8_target() -> HFCausalLM:
+    model = HFCausalLM(quantize_model(tiny_llama(3, context=1024), "int8"), name="tiny-int8")
+    model.quantization = "int8"
+    return model
+
+
+def engine(target: HFCausalLM, method: str | None) -> SpecEngine:
+    if method == "tree":
+        spec = SpecConfig(method="draft", num_speculative_tokens=2, depth="fixed")
+        proposer = BlindTree(HFCausalLM(perturbed(tiny_llama(3), 0.02, 5), name="tiny-d"))
+    else:
+        spec = SpecConfig(method=method, num_speculative_tokens=3, ngram=NgramConfig(3, 1), depth="fixed")  # type: ignore[arg-type]
+        proposer = build_proposer(spec, target, None)
+    return SpecEngine(
+        target, proposer, spec, scheduler=SchedulerConfig(prefix_cache_gb=0.0, prefill_chunk=32)
+    )
+
+
+def run(
+    target: HFCausalLM, method: str | None, temperature: float, monkeypatch, joins: bool
+) -> tuple[list, list]:
+    """Every prompt alone, then all of them batched; the outputs and the forwards' row counts."""
+    forwards = Forwards(target)
+    with monkeypatch.context() as patch:
+        patch.setattr(target, "forward_batch", forwards)
+        if not joins:
+            patch.setattr(Step, "_tail_joins_decode", lambda self, seq: False)
+        eng = engine(target, method)
+        options = {"max_new_tokens": 16, "temperature": temperature, "seed": 5, "logprobs": 2}
+        gens = [eng.generate(p, **options) for p in PROMPTS]
+        gens += eng.generate_batch(PROMPTS, **options)
+    return gens, forwards.rows
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_last_prompt_chunk_in_the_decode_forward_changes_nothing_but_the_forwards(
+    int8_target, method, temperature, monkeypatch
+):
+    assert int8_target.position_invariant
+    joined, joined_rows = run(int8_target, method, temperature, monkeypatch, joins=True)
+    apart, apart_rows = run(int8_target, method, temperature, monkeypatch, joins=False)
+    for a, b in zip(joined, apart, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
+        assert [e.top_logprobs for e in a.events] == [e.top_logprobs for e in b.events]
+    if method is not None:  # drafts were verified (and, but for sampled lookups on random weights, kept)
+        assert sum(g.stats.num_drafted for g in joined) > 0
+        assert sum(g.stats.num_accepted for g in joined) > 0 or (method, temperature) == ("ngram", 1.0)
+    # alone, a prompt of 40 tokens is a 32-token chunk, then the other 7 with the first decode step
+    # (the pending token and the draft after them), where a prefill forward of 7 came first
+    assert len(joined_rows) < len(apart_rows)
+    assert joined_rows[0] == apart_rows[0] == [32]
+    assert joined_rows[1][0] >= 8 and apart_rows[1] == [7]
+
+
+def test_a_tree_after_the_prompt_tail_sees_the_tail_causally_and_its_own_ancestors():
+    draft = Draft(tokens=torch.tensor([11, 12, 13]), parents=torch.tensor([-1, -1, 0]))
+
+    class Seq:  # what VerifyRows reads of a sequence
+        def __init__(self) -> None:
+            self.token_ids = [1, 2, 3, 4, 5]
+            self.cache = KVBuffer()
+            self.cache.advance(2)
+
+    rows = VerifyRows.of([Seq()], [draft])  # type: ignore[list-item]
+    assert rows.starts == [4] and rows.cached == [2]
+    assert rows.tokens == [[3, 4, 5, 11, 12, 13]]
+    assert rows.positions == [[2, 3, 4, 5, 5, 6]]
+    t, f = True, False
+    want = [
+        [t, f, f, f, f, f],
+        [t, t, f, f, f, f],
+        [t, t, t, f, f, f],  # the pending token
+        [t, t, t, t, f, f],  # node 0
+        [t, t, t, f, t, f],  # node 1, beside node 0
+        [t, t, t, t, f, t],  # node 2, under node 0
+    ]
+    assert rows.masks is not None and rows.masks[0].tolist() == want
+
+
+def test_only_a_position_invariant_target_with_nothing_waiting_on_the_prefill_takes_the_tail(
+    tiny_target, tiny_draft, int8_target, monkeypatch
+):
+    def joins(target: HFCausalLM, method: str | None, draft: HFCausalLM | None = None, **options) -> bool:
+        """Whether the first step fed the whole prompt in one forward, its decode forward."""
+        spec = SpecConfig(
+            method=method if method != "tree" else "draft", num_speculative_tokens=3, depth="fixed"
+        )  # type: ignore[arg-type]
+        proposer = build_proposer(spec, target, draft) if method != "tree" else TopTwoTree(tiny_draft)
+        eng = SpecEngine(target, proposer, spec, draft=draft if method == "draft" else None)
+        forwards = Forwards(target)
+        with monkeypatch.context() as patch:
+            patch.setattr(target, "forward_batch", forwards)
+            eng.add(eng.make_request(PROMPTS[0], max_new_tokens=4, **options))
+            eng.step()  # admitted, prefilled, a token out
+        return len(forwards.rows) == 1
+
+    assert not tiny_target.position_invariant
+    assert not joins(tiny_target, None)  # float rows depend on their batch: a prefill of their own
+    assert joins(int8_target, None) and joins(int8_target, "ngram") and joins(int8_target, "suffix")
+    assert not joins(int8_target, None, prompt_logprobs=1)  # the prefill scores the prompt
+    assert not joins(int8_target, "tree")  # a proposer that drafts from the prompt's hidden states
+    quantized_draft = HFCausalLM(quantize_model(perturbed(tiny_llama(3), 0.02, 5), "int8"), name="tiny-d8")
+    quantized_draft.quantization = "int8"
+    assert not joins(int8_target, "draft", quantized_draft)  # the draft is fed the prompt with it
