@@ -273,7 +273,8 @@ class Step:
             seq.stats.verify_seconds += done - proposed
         depths = [d.depth for d in drafts]
         draft_s, target_s = proposed - started, forwarded - proposed
-        self.costs.observe(depths, draft_s, target_s, sum(len(r) for r in rows.tokens), rows.key_queries)
+        if rows.cached == rows.starts:  # a forward that also fed prompt tails is no verify step's cost
+            self.costs.observe(depths, draft_s, target_s, sum(len(r) for r in rows.tokens), rows.key_queries)
         accepted = [r.num_accepted for r in results]
         report = StepReport(len(seqs), depths, accepted, draft_s, target_s, len(self.scheduler.waiting))
         for observer in self.observers:
