@@ -152,3 +152,16 @@ def test_only_a_position_invariant_target_with_nothing_waiting_on_the_prefill_ta
     quantized_draft = HFCausalLM(quantize_model(perturbed(tiny_llama(3), 0.02, 5), "int8"), name="tiny-d8")
     quantized_draft.quantization = "int8"
     assert not joins(int8_target, "draft", quantized_draft)  # the draft is fed the prompt with it
+
+
+def test_a_tail_is_prefilled_apart_beside_a_sequence_that_decodes(int8_target, monkeypatch):
+    """Its length would pad the decoding sequence's one-token row: the step runs two forwards."""
+    eng = engine(int8_target, None)
+    forwards = Forwards(int8_target)
+    monkeypatch.setattr(int8_target, "forward_batch", forwards)
+    eng.add(eng.make_request(PROMPTS[2], max_new_tokens=8))
+    eng.step()
+    assert forwards.rows == [[9]]  # alone: its 8 prompt tokens and its pending one in one forward
+    eng.add(eng.make_request(PROMPTS[2][:7], max_new_tokens=8))
+    eng.step()
+    assert forwards.rows[1:] == [[6], [1, 1]]  # beside it: a prefill of 6, then both decode

@@ -3,9 +3,10 @@
 - **prefill**: each new sequence first takes the longest prefix of its prompt that the prefix cache
   holds for its scope (:mod:`verispec.engine.prefix_cache`), then feeds the rest of its prompt
   tokens but the last, in chunks within a per-step token budget (a draft model is fed them too
-  where the depth policy expects to use it). Where nothing needs the prompt's hidden states and
-  rows are position-invariant, the last chunk rides in the step's decode forward instead, before
-  the pending token: the first token costs one pass over the weights, not two;
+  where the depth policy expects to use it). Where nothing needs the prompt's hidden states, rows
+  are position-invariant and no other sequence decodes in the step (its short rows would be padded
+  to the tail's length), the last chunk rides in the step's decode forward instead, before the
+  pending token: the first token costs one pass over the weights, not two;
 - **decode** (:meth:`Step.decode`): propose -> verify -> commit or roll back -> stats. The
   proposer drafts for every sequence (:mod:`verispec.engine.drafting`); one batched target forward
   scores every row's ``[pending, d_1 .. d_N]`` (a tree's nodes under a tree mask); each row is
@@ -106,7 +107,8 @@ class Step:
             failed += self.guarded([seq], self._reuse)
         chunk = self.scheduler.config.prefill_chunk
         budget = chunk
-        seqs, rows = [], []
+        seqs, rows, tails = [], [], []
+        short_rows = any(s.prefilled for s in self.scheduler.running)  # sequences decoding this step
         for seq in self.scheduler.running:
             if seq.prefilled:
                 continue
@@ -115,11 +117,21 @@ class Step:
             start = seq.cache.length
             end = min(len(seq.token_ids) - 1, (start // chunk + 1) * chunk)
             budget -= end - start
-            if end == len(seq.token_ids) - 1 and self._tail_joins_decode(seq):
-                seq.tail_in_decode = True
-                continue
+            if end == len(seq.token_ids) - 1:
+                if self._tail_joins_decode(seq):
+                    tails.append(seq)
+                    continue
+                short_rows = True
             seqs.append(seq)
             rows.append(seq.token_ids[start:end])
+        for seq in tails:
+            # Beside a sequence that decodes with its pending token and draft alone, a tail would pad
+            # every row of the batched forward to its length: then it is prefilled apart.
+            if short_rows:
+                seqs.append(seq)
+                rows.append(seq.token_ids[seq.cache.length : len(seq.token_ids) - 1])
+            else:
+                seq.tail_in_decode = True
         if not seqs:
             return failed
         return failed + self.guarded(seqs, lambda seqs: self._prefill_chunks(seqs, rows))
