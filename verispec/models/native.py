@@ -2,13 +2,16 @@
 
 ``torch.utils.cpp_extension`` builds each source with the g++ and ninja it needs (~1 min the first
 time) into verispec's cache folder, under a name keyed by the source, torch's version and the
-flags, so a changed kernel or CPU gets a fresh build and an unchanged one loads in a second.
+flags, so a changed kernel or CPU gets a fresh build and an unchanged one loads in a second. The
+build compiles a copy of the source kept in that folder: ninja names sources by path, so two
+checkouts or installs of the same code share one build instead of rebuilding each other's.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -85,9 +88,14 @@ def load(source: str) -> str | None:
             build = cache_root() / "kernels" / f"{stem}-{build_key(source)}"
             try:
                 build.mkdir(parents=True, exist_ok=True)
+                copy = build / source  # the build names its source by path: one path for every install
+                if not copy.exists():
+                    partial = copy.with_name(f"{copy.name}.{os.getpid()}")
+                    partial.write_bytes((SOURCES / source).read_bytes())
+                    partial.replace(copy)  # whole or absent for another process building it too
                 load_extension(
                     name=f"verispec_{stem}",
-                    sources=[str(SOURCES / source)],
+                    sources=[str(copy)],
                     extra_cflags=list(flags()),
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(build),
