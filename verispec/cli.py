@@ -242,6 +242,7 @@ def _serve(args: argparse.Namespace) -> int:
     from_args(SchedulerConfig, args)  # fail before loading
     try:
         from verispec.server import bind_socket, cap_malloc_arenas, serve
+        from verispec.server.launch import off_main_thread, ready
     except ImportError as exc:
         raise VerispecError(
             f"the server needs its extras ({exc.name} is missing): pip install 'verispec[serve]'"
@@ -252,7 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
     sock = bind_socket(args.host, args.port)  # a port in use fails now, not after the model load
     cap_malloc_arenas()
     try:
-        engine = load_engine(args)
+        engine = off_main_thread(lambda: ready(load_engine(args)))  # the engine thread's OpenMP alone
         name = args.served_model_name or engine.target.name
         serve(engine, sock, name, log_level=args.log_level, access=access)
     finally:
