@@ -110,6 +110,7 @@ def test_a_tree_after_the_prompt_tail_sees_the_tail_causally_and_its_own_ancesto
             self.token_ids = [1, 2, 3, 4, 5]
             self.cache = KVBuffer()
             self.cache.advance(2)
+            self.pending_position = 4
 
     rows = VerifyRows.of([Seq()], [draft])  # type: ignore[list-item]
     assert rows.starts == [4] and rows.cached == [2]

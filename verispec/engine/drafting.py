@@ -98,7 +98,7 @@ class Drafting:
             _depth_query(
                 s,
                 c,
-                context=len(s.token_ids) - 1,
+                context=s.pending_position,
                 backlog=proposer.backlog(s.proposer_state, s.token_ids) if c else 0,
             )
             for s, c in zip(seqs, caps, strict=True)
@@ -115,7 +115,7 @@ class Drafting:
         min_logp = -math.inf
         if self.proposer.drafts_trees:
             min_logp = self._tree_floor(
-                [len(s.token_ids) - 1 for s in seqs], self.proposer.max_tree_size(max(ks))
+                [s.pending_position for s in seqs], self.proposer.max_tree_size(max(ks))
             )
             if min_logp >= 0.0:  # not even a certain node would be kept: drafting cannot pay
                 return drafts
@@ -134,7 +134,7 @@ class Drafting:
         end of the context a tree keeps its first nodes (parents come first: still a tree). The cut
         depends on the context alone, so it is exact for deterministic candidates; a tree of sampled
         candidates cannot be cut (its siblings must stay i.i.d.) and is dropped instead."""
-        room = self.max_context - len(seq.token_ids)
+        room = self.max_context - seq.pending_position - 1
         if draft.size <= room:
             return draft
         return draft.prefix(room) if draft.probs is None and room > 0 else Draft.empty()
@@ -164,7 +164,7 @@ class Drafting:
         if not scored:
             return drafts
         queries = [
-            DepthQuery(cap=len(scored.get(i, ())), survival=scored.get(i, ()), context=len(s.token_ids) - 1)
+            DepthQuery(cap=len(scored.get(i, ())), survival=scored.get(i, ()), context=s.pending_position)
             for i, s in enumerate(seqs)
         ]
         budgets = self.costs.policy.choose(queries)

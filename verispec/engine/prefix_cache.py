@@ -266,13 +266,12 @@ def _next(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 def _chain(root: bytes, token_ids: Sequence[int], blocks: int) -> list[tuple[bytes, tuple[int, ...]]]:
     """The first ``blocks`` whole blocks of ``token_ids`` after ``root``: each one's chained key and
     its tokens."""
-    ids = np.asarray(token_ids[: blocks * BLOCK], dtype=np.int64)
     out = []
     digest = root
     for i in range(blocks):
-        chunk = ids[i * BLOCK : (i + 1) * BLOCK]
-        digest = hashlib.blake2b(digest + chunk.tobytes(), digest_size=16).digest()
-        out.append((digest, tuple(chunk.tolist())))
+        tokens = tuple(token_ids[i * BLOCK : (i + 1) * BLOCK])
+        digest = _next(digest, tokens)
+        out.append((digest, tokens))
     return out
 
 

@@ -91,8 +91,14 @@ class SeqState:
         return len(self.token_ids) - self.prompt_len
 
     @property
+    def pending_position(self) -> int:
+        """The position of its last committed token, which the next decode forward feeds (with the
+        prompt's rest before it where that rides along): every token before it is context."""
+        return len(self.token_ids) - 1
+
+    @property
     def prefilled(self) -> bool:
-        return self.cache.length >= len(self.token_ids) - 1
+        return self.cache.length >= self.pending_position
 
     @property
     def speculation_cap(self) -> int:

@@ -115,21 +115,21 @@ class Step:
             if budget <= 0:
                 break
             start = seq.cache.length
-            end = min(len(seq.token_ids) - 1, (start // chunk + 1) * chunk)
+            end = min(seq.pending_position, (start // chunk + 1) * chunk)
             budget -= end - start
-            if end == len(seq.token_ids) - 1:
+            if end == seq.pending_position:
                 if self._tail_joins_decode(seq):
-                    tails.append(seq)
+                    tails.append((seq, seq.token_ids[start:end]))
                     continue
                 short_rows = True
             seqs.append(seq)
             rows.append(seq.token_ids[start:end])
-        for seq in tails:
+        for seq, row in tails:
             # Beside a sequence that decodes with its pending token and draft alone, a tail would pad
             # every row of the batched forward to its length: then it is prefilled apart.
             if short_rows:
                 seqs.append(seq)
-                rows.append(seq.token_ids[seq.cache.length : len(seq.token_ids) - 1])
+                rows.append(row)
             else:
                 seq.tail_in_decode = True
         if not seqs:
@@ -178,7 +178,7 @@ class Step:
         if seq.request.prompt_logprobs is not None:  # its prompt's logits must be computed
             return []
         reused = prefix.reuse(
-            scope, seq.token_ids, seq.cache, limit=len(seq.token_ids) - 1, with_hidden=self._needs_hidden
+            scope, seq.token_ids, seq.cache, limit=seq.pending_position, with_hidden=self._needs_hidden
         )
         if not reused.tokens:
             return []
@@ -325,7 +325,7 @@ class VerifyRows:
     @classmethod
     def of(cls, seqs: list[SeqState], drafts: list[Draft]) -> VerifyRows:
         cached = [s.cache.length for s in seqs]
-        starts = [len(s.token_ids) - 1 for s in seqs]
+        starts = [s.pending_position for s in seqs]
         tokens, positions, masks = [], [], []
         for seq, draft, start, held in zip(seqs, drafts, starts, cached, strict=True):
             tokens.append(seq.token_ids[held:] + draft.tokens.tolist())  # the pending token is the root
