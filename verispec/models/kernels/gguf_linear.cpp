@@ -34,9 +34,15 @@
 // group scale sc_g multiplied in (AVX-512: one multiply and one add; AVX2: in the madd that sums
 // the pairs), the offsets' sum_g mn_g * sum_g(a) as int16 pair products, and one conversion to float
 // per super-block. On a Zen 4 that took a 32-row Q4_K product from 1.69 to 1.41 ms and a 32-row Q6_K
-// LM head from 34.9 to 31.9 ms, and top-1 agreement with llama.cpp from 98.6% to 98.9%; the AVX2
-// build there (compiled as for an AVX2-only CPU): 8-row Q4_K 0.89-0.98 -> 0.75 ms, the whole 1.5B at
-// 16 rows 268 -> 242 ms, unchanged within noise at 1-8 rows.
+// LM head from 34.9 to 31.9 ms, and top-1 agreement with llama.cpp from 98.6% to 98.9%.
+//
+// AVX2 (no VNNI) multiplies u8 x s8 pairs into int16 (maddubs) and widens them with a second multiply
+// (madd), both on the same two pipes of a Zen 3. Its tiles therefore add runs of pair sums in int16
+// before one madd (a Q4 group of 32 inputs: 9 multiplies a row instead of 16; see int16_run), and keep
+// one group's unpacked codes in registers while the rows take turns, so that a row's sums are all
+// that it keeps live (with every row's sums live, GCC spilled them around each product). On a real
+// Zen 3 (EPYC, 2 cores): one core's 8-row Q4_K product 47-55 -> 74-78 G multiply-adds/s, Q6_K 31 ->
+// 59-62, the outputs bit-identical to the tile before (same integer sums, same float operations).
 //
 // Exact batch invariance: each output element is computed by one thread with the same sequence of
 // operations whatever the number of rows in the call and wherever its row sits (threads split the
@@ -68,9 +74,9 @@
 namespace {
 
 constexpr int64_t kTile = 16;      // output channels per tile: one per 32-bit lane
-// Activation rows per pass over a tile: what the accumulators leave of the vector registers (32
-// with AVX-512, 16 with AVX2).
-constexpr int64_t kRowBlock = VERISPEC_GGUF_AVX2 ? 4 : 8;
+// Activation rows per pass over a tile: what the accumulators leave of the vector registers with
+// AVX-512 (32); the AVX2 tiles keep a group's codes in registers and take the rows one by one.
+constexpr int64_t kRowBlock = 8;
 constexpr int64_t kPrefetch = 1024;
 
 // Formats, as gguf_linear.py numbers them.
@@ -435,14 +441,28 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
 }
 
 #elif VERISPEC_GGUF_AVX2
-// A legacy format's tile with AVX2 (no VNNI): each half of 8 channels at a time, u8 x s8 products summed in
-// pairs into int16 (maddubs) and then into int32 (madd), as llama.cpp's AVX2 dot products do. Codes
-// up to 6 bits keep a pair's sum below 2^15 (2 x 63 x 127). Q8_0's byte codes would not, so they run
-// signed: q = c - 128 against the activations with q's signs (|q| x sign(a, q), llama.cpp's trick),
-// which is exact and leaves no offset term (O = -128 S).
+// Code vectors whose maddubs pair sums (u8 code x s8 activation, |a| <= 127) add up in int16 before
+// one madd_epi16 widens them: sum <= run x 2 x max code x 127 < 2^15 keeps the sum exact, so the
+// int32 totals are those of a madd per vector. Q4 codes allow 8 vectors (a 32-input group), 5-bit 4,
+// 6-bit 2; Q8_0's signed bytes 1. Zen 3 issues maddubs and madd on the same two pipes, so 4-bit
+// groups take 9 multiplies per row instead of 16.
+template <int64_t P, bool BYTES, int64_t VECS>
+constexpr int64_t int16_run() {
+  const int64_t per_vec = BYTES ? 2 * 128 * 127 : 2 * ((16 << P) - 1) * 127;
+  const int64_t run = 32767 / per_vec;
+  return run >= VECS ? VECS : run;
+}
+
+// A legacy format's tile with AVX2 (no VNNI): each half of 8 channels at a time, a group's code vectors
+// unpacked once into registers and each row walking them (as the "k" tile below): u8 x s8 products
+// summed in pairs into int16 (maddubs), runs of them in int16 and then into int32 (madd), as llama.cpp's
+// AVX2 dot products do. Q8_0's byte codes run signed: q = c - 128 against the activations with q's
+// signs (|q| x sign(a, q), llama.cpp's trick), which is exact and leaves no offset term (O = -128 S).
 template <int64_t G, int64_t P, bool BYTES, int64_t ROWS>
 void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
   constexpr int64_t kVecs = G / 4;
+  constexpr int64_t kRun = int16_run<P, BYTES, kVecs>();
+  static_assert(kVecs % kRun == 0, "runs split a group evenly");
   constexpr int64_t kCodeBytes = BYTES ? kTile * G : kTile * G / 2;
   constexpr int64_t kHighBytes = P ? 64 : 0;
   const int64_t groups = w.groups, K = w.K;
@@ -464,44 +484,42 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
       const __m256 O = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + kTile)));
       __m256i high = _mm256_setzero_si256();
       if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + g * 64 + 32 * h));
-      __m256i d[ROWS];
-      for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm256_setzero_si256();
+      __m256i wv[kVecs];  // the unsigned factor of maddubs: codes, or |q| for Q8_0
+      __m256i qv[BYTES ? kVecs : 1];  // Q8_0: q, whose signs go onto the activations
       for (int64_t v = 0; v < kVecs; ++v) {
-        __m256i wv;
         if constexpr (BYTES) {
-          wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * v));
+          qv[v] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * v)),
+                                   _mm256_set1_epi8(static_cast<char>(0x80)));
+          wv[v] = _mm256_abs_epi8(qv[v]);
         } else {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
-          wv = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+          wv[v] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
           if constexpr (P > 0) {
             const int64_t at = P * v;
             const __m256i moved = at <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi64_si128(4 - at))
                                           : _mm256_srl_epi16(high, _mm_cvtsi64_si128(at - 4));
-            wv = _mm256_or_si256(wv, _mm256_and_si256(moved, high_mask));
-          }
-        }
-        if constexpr (BYTES) {
-          const __m256i q = _mm256_xor_si256(wv, _mm256_set1_epi8(static_cast<char>(0x80)));
-          const __m256i mag = _mm256_abs_epi8(q);
-          for (int64_t r = 0; r < ROWS; ++r) {
-            int32_t four;
-            std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
-            const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(four), q);
-            d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, signed_a), ones));
-          }
-        } else {
-          for (int64_t r = 0; r < ROWS; ++r) {
-            int32_t four;
-            std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
-            const __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(four));
-            d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(pairs, ones));
+            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(moved, high_mask));
           }
         }
       }
+#pragma GCC unroll 1
       for (int64_t r = 0; r < ROWS; ++r) {
+        const int8_t* ag = arow[r] + g * G;
+        __m256i d = _mm256_setzero_si256();
+        for (int64_t v0 = 0; v0 < kVecs; v0 += kRun) {
+          __m256i pairs = _mm256_setzero_si256();
+          for (int64_t v = v0; v < v0 + kRun; ++v) {
+            int32_t four;
+            std::memcpy(&four, ag + 4 * v, 4);
+            __m256i av = _mm256_set1_epi32(four);
+            if constexpr (BYTES) av = _mm256_sign_epi8(av, qv[v]);
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[v], av));
+          }
+          d = _mm256_add_epi32(d, _mm256_madd_epi16(pairs, ones));
+        }
         const int64_t m = m0 + r;
         const __m256 sx = _mm256_mul_ps(S, _mm256_set1_ps(a.xs[m * w.units + g]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), sx, acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sx, acc[r]);
         if constexpr (!BYTES) acc[r] = _mm256_fmadd_ps(O, _mm256_set1_ps(a.scaled_sum(m, groups, g, w.units, g)), acc[r]);
       }
     }
@@ -513,14 +531,18 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
   }
 }
 
-// "k" formats with AVX2, in integers per super-block as the AVX-512 build: maddubs sums the code x
-// activation pairs into int16 (codes up to 6 bits keep them below 2^15), and madd_epi16 against the
-// group's scale (in both halves of each channel's lane) multiplies and sums them into int32 in one
-// step, where the float path multiplied by ones. The offsets' sum_g mn_g * sum_g(a) takes one
-// madd_epi16 per two groups; one conversion to float per super-block and row.
+// "k" formats with AVX2, in integers per super-block as the AVX-512 build. A group's code vectors are
+// unpacked once into registers (8 for 32 inputs, 4 for 16), then each row walks them: maddubs sums the
+// code x activation pairs into int16, runs of them add up in int16 (int16_run), and madd_epi16 against
+// the group's scale (in both halves of each channel's lane) multiplies and sums them into int32 in one
+// step. Rows one after another keep few registers live: with every row's sums in registers the
+// compiler spilled them around each product. The offsets' sum_g mn_g * sum_g(a) takes one madd_epi16
+// per two groups; one conversion to float per super-block and row.
 template <int64_t G, int64_t P, int64_t ROWS>
 void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
   using L = KLayout<G, P>;
+  constexpr int64_t kRun = int16_run<P, false, L::kVecs>();
+  static_assert(L::kVecs % kRun == 0, "runs split a group evenly");
   const L at(w, tile);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
@@ -543,21 +565,31 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
                                              _mm256_slli_epi32(sc32, 16));  // sc in both int16 halves
         __m256i high = _mm256_setzero_si256();
         if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.highs + g * 64 + 32 * h));
+        __m256i wv[L::kVecs];
         for (int64_t v = 0; v < L::kVecs; ++v) {
           const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
-          __m256i wv = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+          wv[v] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
           if constexpr (P > 0) {
             const int64_t at = P * v;
             const __m256i moved = at <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi64_si128(4 - at))
                                           : _mm256_srl_epi16(high, _mm_cvtsi64_si128(at - 4));
-            wv = _mm256_or_si256(wv, _mm256_and_si256(moved, high_mask));
+            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(moved, high_mask));
           }
-          for (int64_t r = 0; r < ROWS; ++r) {
-            int32_t four;
-            std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
-            const __m256i pairs = _mm256_maddubs_epi16(wv, _mm256_set1_epi32(four));
-            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, sc16));
+        }
+#pragma GCC unroll 1
+        for (int64_t r = 0; r < ROWS; ++r) {
+          const int8_t* ag = arow[r] + g * G;
+          __m256i sum = isum[r];
+          for (int64_t v0 = 0; v0 < L::kVecs; v0 += kRun) {
+            __m256i pairs = _mm256_setzero_si256();
+            for (int64_t v = v0; v < v0 + kRun; ++v) {
+              int32_t four;
+              std::memcpy(&four, ag + 4 * v, 4);
+              pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[v], _mm256_set1_epi32(four)));
+            }
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, sc16));
           }
+          isum[r] = sum;
         }
         if (j % 2 == 1) {  // the offset term of groups g - 1 and g: lanes (mn_{g-1}, mn_g) per channel
           const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile + 8 * h;
