@@ -1,5 +1,6 @@
 """A prompt's last chunk fed in the first decode forward: the same output, log-probabilities and draws
-as a prefill forward of its own, one forward fewer, and only where nothing needs that prefill."""
+as a prefill forward of its own, the same hidden rows for a proposer that drafts from them, one
+forward fewer, and only where nothing needs that prefill."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import pytest
 import torch
 
 from tests.conftest import perturbed, tiny_llama
+from tests.training.tiny import trained
 from tests.tree_proposer import TopTwoTree
 from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.engine.step import Step, VerifyRows
+from verispec.heads.vocab import VocabHead
 from verispec.models.base import BatchOutput
 from verispec.models.hf import HFCausalLM
 from verispec.models.kv import KVBuffer
 from verispec.models.quant import quantize_model
 from verispec.proposers import build_proposer
+from verispec.proposers.eagle import EagleProposer
 from verispec.types import Draft
 
 PROMPTS = [list(range(5, 45)), [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3] * 7, [9, 8, 7] * 3]
@@ -32,6 +36,19 @@ class BlindTree(TopTwoTree):
         self, state: list[torch.Tensor], token_ids: Sequence[int], num_accepted: int, hidden=None
     ) -> None:
         return None
+
+
+class RecordingTree(TopTwoTree):
+    """:class:`TopTwoTree` (which drafts with the target's hidden states handed on) keeping every
+    sequence's list of hidden rows, to compare after the run."""
+
+    def __init__(self, draft: HFCausalLM) -> None:
+        super().__init__(draft)
+        self.states: list[list[torch.Tensor]] = []
+
+    def new_state(self, prompt_ids: Sequence[int], sampling: object) -> list[torch.Tensor]:
+        self.states.append(super().new_state(prompt_ids, sampling))
+        return self.states[-1]
 
 
 class Forwards:
@@ -53,9 +70,15 @@ def int8_target() -> HFCausalLM:
 
 
 def engine(target: HFCausalLM, method: str | None) -> SpecEngine:
-    if method == "tree":
+    if method in ("tree", "hidden tree"):
         spec = SpecConfig(method="draft", num_speculative_tokens=2, depth="fixed")
-        proposer = BlindTree(HFCausalLM(perturbed(tiny_llama(3), 0.02, 5), name="tiny-d"))
+        tree = BlindTree if method == "tree" else RecordingTree
+        proposer = tree(HFCausalLM(perturbed(tiny_llama(3), 0.02, 5), name="tiny-d"))
+    elif method == "eagle":
+        spec = SpecConfig(method="eagle", num_speculative_tokens=3, depth="fixed")
+        drafter, _, _ = trained(target, "eagle")
+        embeddings = target.model.get_input_embeddings()
+        proposer = EagleProposer(drafter, VocabHead(target, None), embeddings, nodes=6, width=2)
     else:
         spec = SpecConfig(method=method, num_speculative_tokens=3, ngram=NgramConfig(3, 1), depth="fixed")  # type: ignore[arg-type]
         proposer = build_proposer(spec, target, None)
@@ -66,8 +89,8 @@ def engine(target: HFCausalLM, method: str | None) -> SpecEngine:
 
 def run(
     target: HFCausalLM, method: str | None, temperature: float, monkeypatch, joins: bool
-) -> tuple[list, list]:
-    """Every prompt alone, then all of them batched; the outputs and the forwards' row counts."""
+) -> tuple[list, list, SpecEngine]:
+    """Every prompt alone, then all of them batched; the outputs, the forwards' row counts and the engine."""
     forwards = Forwards(target)
     with monkeypatch.context() as patch:
         patch.setattr(target, "forward_batch", forwards)
@@ -77,17 +100,19 @@ def run(
         options = {"max_new_tokens": 16, "temperature": temperature, "seed": 5, "logprobs": 2}
         gens = [eng.generate(p, **options) for p in PROMPTS]
         gens += eng.generate_batch(PROMPTS, **options)
-    return gens, forwards.rows
+    return gens, forwards.rows, eng
 
 
-@pytest.mark.parametrize("method", [None, "ngram", "tree"])
+@pytest.mark.parametrize("method", [None, "ngram", "tree", "hidden tree", "eagle"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_last_prompt_chunk_in_the_decode_forward_changes_nothing_but_the_forwards(
     int8_target, method, temperature, monkeypatch
 ):
     assert int8_target.position_invariant
-    joined, joined_rows = run(int8_target, method, temperature, monkeypatch, joins=True)
-    apart, apart_rows = run(int8_target, method, temperature, monkeypatch, joins=False)
+    if method == "eagle":
+        trained(int8_target, "eagle")  # fitted (cached) before the forwards are counted
+    joined, joined_rows, joined_engine = run(int8_target, method, temperature, monkeypatch, joins=True)
+    apart, apart_rows, apart_engine = run(int8_target, method, temperature, monkeypatch, joins=False)
     for a, b in zip(joined, apart, strict=True):
         assert a.token_ids == b.token_ids
         assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
@@ -95,6 +120,12 @@ def test_the_last_prompt_chunk_in_the_decode_forward_changes_nothing_but_the_for
     if method is not None:  # drafts were verified (and, but for sampled lookups on random weights, kept)
         assert sum(g.stats.num_drafted for g in joined) > 0
         assert sum(g.stats.num_accepted for g in joined) > 0 or (method, temperature) == ("ngram", 1.0)
+    if method == "hidden tree":  # the tail's hidden rows came out of the decode forward, as a prefill's
+        got, want = joined_engine.proposer.states, apart_engine.proposer.states  # type: ignore[union-attr]
+        assert len(got) == len(want) == 2 * len(PROMPTS)
+        for g, w, prompt, gen in zip(got, want, PROMPTS * 2, joined, strict=True):
+            fed = len(prompt) + len(gen.token_ids) - 1  # positions whose rows both must hold
+            assert torch.equal(torch.cat(g)[:fed], torch.cat(w)[:fed])
     # alone, a prompt of 40 tokens is a 32-token chunk, then the other 7 with the first decode step
     # (the pending token and the draft after them), where a prefill forward of 7 came first
     assert len(joined_rows) < len(apart_rows)
@@ -149,7 +180,7 @@ def test_only_a_position_invariant_target_with_nothing_waiting_on_the_prefill_ta
     assert not joins(tiny_target, None)  # float rows depend on their batch: a prefill of their own
     assert joins(int8_target, None) and joins(int8_target, "ngram") and joins(int8_target, "suffix")
     assert not joins(int8_target, None, prompt_logprobs=1)  # the prefill scores the prompt
-    assert not joins(int8_target, "tree")  # a proposer that drafts from the prompt's hidden states
+    assert joins(int8_target, "tree")  # drafts from the hidden states: it sits the first step out
     quantized_draft = HFCausalLM(quantize_model(perturbed(tiny_llama(3), 0.02, 5), "int8"), name="tiny-d8")
     quantized_draft.quantization = "int8"
     assert not joins(int8_target, "draft", quantized_draft)  # the draft is fed the prompt with it

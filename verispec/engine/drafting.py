@@ -44,8 +44,15 @@ class Drafting:
 
     def propose(self, seqs: list[SeqState]) -> list[Draft]:
         """One draft per sequence (empty where it does not speculate this step)."""
-        drafts = self._draft(seqs, self._depths(seqs))
-        return self._size_trees(seqs, drafts)
+        depths = [0 if self.awaits_features(s) else k for s, k in zip(seqs, self._depths(seqs), strict=True)]
+        return self._size_trees(seqs, self._draft(seqs, depths))
+
+    def awaits_features(self, seq: SeqState) -> bool:
+        """Whether ``seq``'s prompt tail rides in this step's forward while its proposer drafts from
+        the target's hidden states: the features of the tail's last token, where a draft starts,
+        come out of that very forward, so the sequence cannot speculate in this step (nor does the
+        step count as one where it chose not to)."""
+        return seq.tail_in_decode and self.proposer is not None and self.proposer.needs_hidden
 
     def observe(self, seq: SeqState, draft: Draft, result: VerifyResult) -> None:
         """Record one sequence's outcome: its stats, its acceptance estimate, the engine-wide prior
@@ -57,13 +64,14 @@ class Drafting:
         if depth:
             seq.acceptance.observe(depth, accepted)
             self.prior.observe(depth, accepted)
-        elif seq.request.num_speculative_tokens:
+        elif seq.request.num_speculative_tokens and not self.awaits_features(seq):
             seq.acceptance.relax()
 
     def observe_step(self, seqs: list[SeqState], drafts: list[Draft]) -> None:
         """A step in which speculation was wanted but nothing was drafted lets the prior drift back,
         so one bad stretch cannot keep speculation off for good."""
-        if not any(d.depth for d in drafts) and any(s.request.num_speculative_tokens for s in seqs):
+        wanted = [s for s in seqs if s.request.num_speculative_tokens and not self.awaits_features(s)]
+        if not any(d.depth for d in drafts) and wanted:
             self.prior.relax()
 
     def feeds_draft(self, seq: SeqState) -> bool:

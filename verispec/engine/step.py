@@ -87,14 +87,19 @@ class Step:
             result = self.verify(draft, _judged(seq, draft, logits), seq.request.sampling, seq.generator)
             seq.cache.rollback(rows.starts[b], result.kept_rows)
             self.drafting.observe(seq, draft, result)
-            hidden = scored.hidden[b][result.kept_rows] if scored.hidden is not None else None
+            hidden = None
+            if scored.hidden is not None:  # [tail + N + 1, (1 + F) H]
+                tail = rows.starts[b] - rows.cached[b]
+                if tail:  # what the prefill of the tail would have handed on
+                    self._prefilled_hidden(seq, scored.hidden[b][:tail])
+                hidden = scored.hidden[b][tail:][result.kept_rows]
             outputs.append(self._commit(seq, result, logits[result.kept_rows], hidden))
             results.append(result)
-            if seq.tail_in_decode:  # its prompt is there for requests that start alike, while it runs
-                seq.tail_in_decode = False
-                if not outputs[-1].finished:
-                    self.scheduler.keep_prefix(seq)
+            if seq.tail_in_decode and not outputs[-1].finished:  # its prompt is there for requests
+                self.scheduler.keep_prefix(seq)  # that start alike, while it runs
         self._record(seqs, drafts, results, rows, (started, proposed, forwarded))
+        for seq in seqs:
+            seq.tail_in_decode = False
         return outputs
 
     def prefill(self) -> list[RequestOutput]:
@@ -139,12 +144,13 @@ class Step:
     def _tail_joins_decode(self, seq: SeqState) -> bool:
         """Whether ``seq``'s last prompt chunk can be fed in the decode forward, before its pending
         token: only where that gives its positions the very bits a prefill would (position-invariant
-        rows) and nothing needs what a prefill hands on (hidden rows for a proposer or the tap, the
-        prompt fed to a draft model, which it would have to catch up on, the prompt's log-probabilities)."""
+        rows) and nothing needs what a prefill hands on that the decode forward does not (the prompt
+        fed to a draft model, which it would have to catch up on, the prompt's log-probabilities).
+        The tail's hidden rows come out of the decode forward as they would out of a prefill; a
+        proposer that drafts from them sits that step out (:meth:`Drafting.awaits_features`)."""
         proposer = self.proposer
         return (
             getattr(self.target, "position_invariant", False)
-            and not self._needs_hidden
             and (proposer is None or not proposer.backlog(seq.proposer_state, seq.token_ids))
             and seq.request.prompt_logprobs is None
         )
@@ -216,11 +222,7 @@ class Step:
                 seq.prompt_scores += token_logprobs(logits, nexts, int(seq.request.prompt_logprobs or 0))
         if out.hidden is not None:
             for seq, hidden in zip(seqs, out.hidden, strict=True):
-                if seq.hidden_rows is not None:
-                    seq.hidden_rows.append(hidden)
-                self.tap.prefilled(seq, hidden)
-                if self.proposer is not None and self.proposer.needs_hidden:
-                    self.proposer.prefill(seq.proposer_state, hidden)
+                self._prefilled_hidden(seq, hidden)
         speculating = [b for b, s in enumerate(seqs) if self.drafting.feeds_draft(s)]
         if self.proposer is not None and speculating:
             states = [seqs[b].proposer_state for b in speculating]
@@ -230,13 +232,23 @@ class Step:
                 self.scheduler.keep_prefix(seq)
         return []
 
+    def _prefilled_hidden(self, seq: SeqState, hidden: torch.Tensor) -> None:
+        """Hand on the hidden rows of prompt tokens just fed: to the rows the prefix cache keeps,
+        the tap and a proposer that drafts from them."""
+        if seq.hidden_rows is not None:
+            seq.hidden_rows.append(hidden)
+        self.tap.prefilled(seq, hidden)
+        if self.proposer is not None and self.proposer.needs_hidden:
+            self.proposer.prefill(seq.proposer_state, hidden)
+
     def _score(self, seqs: list[SeqState], rows: VerifyRows, drafts: list[Draft]) -> BatchOutput:
-        """The target's one forward over every sequence's pending token and draft."""
+        """The target's one forward over every sequence's prompt tail (where it rides along),
+        pending token and draft; hidden rows, where needed, for all of them."""
         return self.target.forward_batch(
             [s.cache for s in seqs],
             rows.tokens,
             logits_to_keep=[d.size + 1 for d in drafts],
-            return_hidden=self._needs_hidden,
+            hidden_to_keep=[len(r) for r in rows.tokens] if self._needs_hidden else None,
             feature_layers=self._feature_layers,
             raw_features=self._raw_features,
             positions=rows.positions,
