@@ -266,6 +266,8 @@ def test_plain_is_a_server_without_speculation_and_the_others_set_their_depth_po
     adaptive = s.server_args_for("adaptive")
     assert adaptive[adaptive.index("--depth-policy") + 1] == "adaptive"
     assert ServeBenchSettings(target="t").speculative_method == "ngram"
+    heads = ServeBenchSettings(target="t", method="eagle+suffix").server_args_for("adaptive")
+    assert heads[heads.index("--method") + 1] == "eagle+suffix"  # the default setup, served
 
 
 def test_every_prefix_of_the_prompt_list_mixes_the_categories(tmp_path: Path) -> None:
@@ -298,6 +300,7 @@ def test_requests_per_level_default_to_two_per_user_and_at_least_a_dozen() -> No
         {"concurrency": (0, 2)},
         {"requests_per_level": 0},
         {"method": "draft"},
+        {"method": "lookahead"},
         {"num_speculative_tokens": 0},
     ],
 )

@@ -43,7 +43,8 @@ class ServerRun:
     target: str
     draft: str | None = None
     method: str | None = None
-    """``ngram`` or ``draft``; None means ``draft`` with a draft model, else ``ngram``."""
+    """The server's ``--method`` (one of :data:`~verispec.bench.settings.SERVE_METHODS`); None means
+    ``draft`` with a draft model, else ``ngram``."""
     num_speculative_tokens: int = 5
     dataset: str = "spec_bench"
     categories: tuple[str, ...] | None = None

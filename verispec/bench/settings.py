@@ -25,8 +25,9 @@ BASELINES: tuple[str, ...] = ("hf", "hf-assisted", "hf-pld", "llamacpp", "llamac
 WARMUP_PROMPT = "Write a short poem about the sea, then explain its rhyme scheme."
 """Warm-up text, deliberately not taken from any evaluation set."""
 
-SERVE_METHODS: tuple[str, ...] = tuple(m for m in ("ngram", "draft", "suffix") if m in METHODS)
-"""What ``bench serve`` speculates with (its plain policy is a server with ``--method none``)."""
+SERVE_METHODS: tuple[str, ...] = METHODS
+"""What ``bench serve`` speculates with (its plain policy is a server with ``--method none``): any
+method ``verispec serve`` takes; the heads' methods need heads for the target, or the server says so."""
 
 CACHE_SCOPES: tuple[str, ...] = ("shared", "private")
 """``shared``: each contender's requests share one cache scope (earlier prompts' KV and outputs may
