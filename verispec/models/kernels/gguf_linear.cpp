@@ -41,8 +41,8 @@
 // before one madd (a Q4 group of 32 inputs: 9 multiplies a row instead of 16; see int16_run), and keep
 // one group's unpacked codes in registers while the rows take turns, so that a row's sums are all
 // that it keeps live (with every row's sums live, GCC spilled them around each product). On a real
-// Zen 3 (EPYC, 2 cores): one core's 8-row Q4_K product 47-55 -> 74-78 G multiply-adds/s, Q6_K 31 ->
-// 59-62, the outputs bit-identical to the tile before (same integer sums, same float operations).
+// Zen 3 (EPYC, 2 cores): one core's 8-row Q4_K products 37-61 -> 74-78 G multiply-adds/s, Q6_K 31 ->
+// 59-63, the outputs bit-identical to the tile before (same integer sums, same float operations).
 //
 // Exact batch invariance: each output element is computed by one thread with the same sequence of
 // operations whatever the number of rows in the call and wherever its row sits (threads split the
