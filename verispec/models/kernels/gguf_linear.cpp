@@ -453,6 +453,26 @@ constexpr int64_t int16_run() {
   return run >= VECS ? VECS : run;
 }
 
+// One half tile's (8 channels') G/4 code vectors of a group: 4 low bits from the nibbles at `cg`,
+// plus P high bits from the plane at `high` (P > 0; unread, may be null, for P = 0).
+template <int64_t G, int64_t P>
+inline void unpack_group_avx2(const uint8_t* cg, const uint8_t* high, __m256i (&wv)[G / 4]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
+  __m256i planes = _mm256_setzero_si256();
+  if constexpr (P > 0) planes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+  for (int64_t v = 0; v < G / 4; ++v) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
+    wv[v] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+    if constexpr (P > 0) {
+      const int64_t at = P * v;
+      const __m256i moved = at <= 4 ? _mm256_sll_epi16(planes, _mm_cvtsi64_si128(4 - at))
+                                    : _mm256_srl_epi16(planes, _mm_cvtsi64_si128(at - 4));
+      wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(moved, high_mask));
+    }
+  }
+}
+
 // A legacy format's tile with AVX2 (no VNNI): each half of 8 channels at a time, a group's code vectors
 // unpacked once into registers and each row walking them (as the "k" tile below): u8 x s8 products
 // summed in pairs into int16 (maddubs), runs of them in int16 and then into int32 (madd), as llama.cpp's
@@ -468,8 +488,7 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
   const int64_t groups = w.groups, K = w.K;
   const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
   const uint8_t* highs = w.planes + tile * groups * kHighBytes;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
+  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* arow[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
   for (int64_t h = 0; h < 2; ++h) {
@@ -482,25 +501,16 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
       const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile + 8 * h;
       const __m256 S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so)));
       const __m256 O = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + kTile)));
-      __m256i high = _mm256_setzero_si256();
-      if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(highs + g * 64 + 32 * h));
       __m256i wv[kVecs];  // the unsigned factor of maddubs: codes, or |q| for Q8_0
       __m256i qv[BYTES ? kVecs : 1];  // Q8_0: q, whose signs go onto the activations
-      for (int64_t v = 0; v < kVecs; ++v) {
-        if constexpr (BYTES) {
+      if constexpr (BYTES) {
+        for (int64_t v = 0; v < kVecs; ++v) {
           qv[v] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * v)),
                                    _mm256_set1_epi8(static_cast<char>(0x80)));
           wv[v] = _mm256_abs_epi8(qv[v]);
-        } else {
-          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
-          wv[v] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
-          if constexpr (P > 0) {
-            const int64_t at = P * v;
-            const __m256i moved = at <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi64_si128(4 - at))
-                                          : _mm256_srl_epi16(high, _mm_cvtsi64_si128(at - 4));
-            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(moved, high_mask));
-          }
         }
+      } else {
+        unpack_group_avx2<G, P>(cg, P ? highs + g * 64 + 32 * h : nullptr, wv);
       }
 #pragma GCC unroll 1
       for (int64_t r = 0; r < ROWS; ++r) {
@@ -544,8 +554,6 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
   constexpr int64_t kRun = int16_run<P, false, L::kVecs>();
   static_assert(L::kVecs % kRun == 0, "runs split a group evenly");
   const L at(w, tile);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
   const int8_t* arow[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * w.K;
   for (int64_t h = 0; h < 2; ++h) {
@@ -563,19 +571,8 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.iscales + g * L::kIScales * kTile + 8 * h)));
         const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
                                              _mm256_slli_epi32(sc32, 16));  // sc in both int16 halves
-        __m256i high = _mm256_setzero_si256();
-        if constexpr (P > 0) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at.highs + g * 64 + 32 * h));
         __m256i wv[L::kVecs];
-        for (int64_t v = 0; v < L::kVecs; ++v) {
-          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
-          wv[v] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
-          if constexpr (P > 0) {
-            const int64_t at = P * v;
-            const __m256i moved = at <= 4 ? _mm256_sll_epi16(high, _mm_cvtsi64_si128(4 - at))
-                                          : _mm256_srl_epi16(high, _mm_cvtsi64_si128(at - 4));
-            wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(moved, high_mask));
-          }
-        }
+        unpack_group_avx2<G, P>(cg, P ? at.highs + g * 64 + 32 * h : nullptr, wv);
 #pragma GCC unroll 1
         for (int64_t r = 0; r < ROWS; ++r) {
           const int8_t* ag = arow[r] + g * G;
