@@ -35,6 +35,7 @@ from verispec.errors import ConfigError, VerispecError
 from verispec.heads.io import heads_kinds_in, shipped_heads_fit
 from verispec.heads.speculators_io import is_eagle3_folder
 from verispec.models import load_model
+from verispec.openmp import off_main_thread
 from verispec.proposers import build_proposer
 
 if TYPE_CHECKING:
@@ -170,17 +171,23 @@ def load(
         max_batch_size=max_batch_size, max_waiting=max_waiting, prefix_cache_gb=prefix_cache_gb
     )
     load_cfg = ModelLoadConfig(device=device, dtype=dtype, threads=threads, quantization=quantization)
-    target_model = load_model(target, load_cfg)
-    if requested == AUTO:
-        spec = replace(spec, method=default_method(target_model, draft, heads))
-    draft_model = load_model(draft, load_cfg) if spec.method == "draft" and draft is not None else None
-    proposer = build_proposer(spec, target_model, draft_model)
-    return SpecEngine(
-        target_model,
-        proposer,
-        spec,
-        tokenizer=target_model.tokenizer,
-        draft=draft_model,
-        scheduler=scheduler,
-        costs=load_costs_file(Path(spec.costs)) if spec.costs is not None else None,
-    )
+
+    def build() -> SpecEngine:
+        target_model = load_model(target, load_cfg)
+        chosen = spec
+        if requested == AUTO:
+            chosen = replace(spec, method=default_method(target_model, draft, heads))
+        draft_model = load_model(draft, load_cfg) if chosen.method == "draft" and draft is not None else None
+        return SpecEngine(
+            target_model,
+            build_proposer(chosen, target_model, draft_model),
+            chosen,
+            tokenizer=target_model.tokenizer,
+            draft=draft_model,
+            scheduler=scheduler,
+            costs=load_costs_file(Path(chosen.costs)) if chosen.costs is not None else None,
+        )
+
+    # Loaded on a thread that ends, so that whichever thread steps the engine (the caller's, an
+    # AsyncEngine's) holds the only OpenMP team: see verispec.openmp.
+    return off_main_thread(build)

@@ -242,11 +242,12 @@ def _serve(args: argparse.Namespace) -> int:
     from_args(SchedulerConfig, args)  # fail before loading
     try:
         from verispec.server import bind_socket, cap_malloc_arenas, serve
-        from verispec.server.launch import off_main_thread, ready
+        from verispec.server.launch import ready
     except ImportError as exc:
         raise VerispecError(
             f"the server needs its extras ({exc.name} is missing): pip install 'verispec[serve]'"
         ) from None
+    from verispec.openmp import off_main_thread
     from verispec.server.auth import load_access
 
     access = load_access(args.api_key, args.api_keys_file, os.environ, shared_cache=args.shared_cache)

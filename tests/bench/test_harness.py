@@ -36,6 +36,7 @@ TOP_LEVEL = {
 }  # fmt: skip
 MACHINE = {
     "cpu", "isa", "cores", "ram_gb", "torch_threads", "platform", "gpu", "load_average", "load_average_end",
+    "cpu_busy",
 }  # fmt: skip
 VERSIONS = {"python", "torch", "transformers", "verispec", "llama-cpp-python"}
 SETTINGS = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from tests.bench.test_aggregate import counts, record
@@ -75,6 +76,29 @@ def test_report_shows_tables_mismatches_skips_and_a_busy_machine(tmp_path):
     assert data["lossless"] == {"checked": 4, "mismatches": 1}
     assert data["git_commit"] is None
     assert len(data["records"]) == 6 and len(data["summary"]) == 9  # 3 methods x (2 categories + overall)
+
+
+def test_the_busy_warning_goes_by_the_cpu_use_before_the_run_not_the_lagging_load_average(tmp_path):
+    run = synthetic_run()
+    quiet = dict(run.environment["machine"], cpu_busy=0.02)  # load average 3.5 from a run just ended
+    busy = dict(run.environment["machine"], cpu_busy=0.9, load_average=[0.1, 0.1, 0.1])
+    texts = []
+    for machine, folder in ((quiet, "quiet"), (busy, "busy")):
+        run.environment["machine"] = machine
+        _, report = write_outputs(run, tmp_path / folder, [])
+        texts.append(report.read_text())
+    assert "machine was busy" not in texts[0] and "in the second before the run: 2%" in texts[0]
+    assert "machine was busy before the run (other processes used 90% of its CPU time" in texts[1]
+
+
+def test_cpu_busy_is_a_share_of_the_cpu_time_where_proc_stat_exists():
+    from verispec.bench.environment import cpu_busy
+
+    busy = cpu_busy(0.2)
+    if not Path("/proc/stat").exists():
+        assert busy is None
+    else:
+        assert busy is not None and 0.0 <= busy <= 1.0
 
 
 def test_plots_are_written_without_any_speculative_method(tmp_path):

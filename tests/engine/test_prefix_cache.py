@@ -9,7 +9,7 @@ import torch
 from tests.conftest import needs_smollm2, perturbed, tiny_llama
 from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
-from verispec.engine.prefix_cache import BLOCK, DRAFT, PrefixCache
+from verispec.engine.prefix_cache import BLOCK, CANDIDATES, DRAFT, PrefixCache
 from verispec.models.base import BatchOutput
 from verispec.models.hf import HFCausalLM
 from verispec.models.kv import KVBuffer
@@ -77,6 +77,25 @@ def test_a_longer_partial_block_replaces_the_one_it_extends():
     cache.keep("a", [*ids[:BLOCK], 7, 8, 9], filled(BLOCK + 3, seed=3))
     assert cache.reuse("a", [*ids[:BLOCK], 7, 8, 5, 5], KVBuffer(), limit=BLOCK + 4).tokens == BLOCK + 2
     assert cache.reuse("a", [*whole[: BLOCK + 4], 9, 9], KVBuffer(), limit=BLOCK + 6).tokens == BLOCK + 4
+
+
+def test_a_parent_with_many_continuations_compares_only_its_recent_blocks():
+    """Under a shared prefix followed by many conversations, storing or finding a partial block
+    compares at most CANDIDATES of the parent's blocks (newest first); a sequence's own tail, stored
+    last, is still replaced by the block that extends it and found again."""
+    cache = PrefixCache(10**9)
+    shared = list(range(BLOCK))
+    source = filled(2 * BLOCK)
+    for i in range(CANDIDATES + 40):  # as many conversations after one system prompt
+        cache.keep("a", [*shared, 10_000 + i, 7], source)
+    (shared_key,) = [k for k, b in cache._blocks.items() if b.tokens == tuple(shared)]
+    assert len(cache._children[shared_key]) == CANDIDATES + 40
+    assert len(cache._recent(shared_key)) == CANDIDATES
+    tail = [*shared, 5, 6, 7]
+    before = len(cache)
+    assert cache.keep("a", tail, source) == 1
+    assert cache.keep("a", [*tail, 8], source) == 1 and len(cache) == before + 1  # the 3-token tail went
+    assert cache.reuse("a", [*tail, 8, 0], KVBuffer(), limit=BLOCK + 4).tokens == BLOCK + 4
 
 
 def test_scopes_never_see_each_others_blocks():

@@ -163,21 +163,18 @@ def test_rows_cut_a_layer_to_some_channels_bit_identically(qtype: Q) -> None:
     assert torch.equal(cut.dequantized(), layer.dequantized()[ids])
 
 
-def test_fused_projections_give_the_separate_layers_outputs() -> None:
-    from verispec.models.fused import _concatenate
-
+def test_one_layer_over_several_tensors_gives_the_separate_layers_outputs() -> None:
+    """The loader's fused q/k/v and gate/up: one layer packed from the members' blocks, rows one
+    after another (a member whose rows end inside a tile, as v's 20 here, does not shift the next),
+    gives each member's outputs to the bit."""
     k = 512
-    q, kk, v = (
-        gl.GGUFLinear(Q.Q4_K, random_blocks(Q.Q4_K, n, k, seed=n), (n, k), torch.randn(n))
-        for n in (64, 32, 20)
-    )
-    fused = _concatenate([q, kk, v])
-    assert fused is not None
+    sizes = (64, 20, 32)
+    blocks = [random_blocks(Q.Q4_K, n, k, seed=n) for n in sizes]
+    biases = [torch.randn(n) for n in sizes]
+    fused = gl.GGUFLinear(Q.Q4_K, blocks, (sum(sizes), k), torch.cat(biases))
+    apart = [gl.GGUFLinear(Q.Q4_K, b, (n, k), bias) for b, n, bias in zip(blocks, sizes, biases, strict=True)]
     x = torch.randn(4, k)
-    assert torch.equal(fused(x), torch.cat([q(x), kk(x), v(x)], dim=-1))
-    other = gl.GGUFLinear(Q.Q6_K, random_blocks(Q.Q6_K, 32, k), (32, k))
-    assert _concatenate([q, other]) is None  # two formats: left apart
-    assert _concatenate([v, q]) is None  # a padded tile before the last member
+    assert torch.equal(fused(x), torch.cat([layer(x) for layer in apart], dim=-1))
 
 
 _INSIDE = "VERISPEC_TEST_OTHER_GGUF_BUILD"

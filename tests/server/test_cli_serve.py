@@ -72,19 +72,6 @@ def test_malloc_arenas_are_capped_unless_the_user_chose(monkeypatch):
     assert not cap_malloc_arenas()
 
 
-def test_the_models_load_on_a_thread_that_ends_and_errors_come_back():
-    """The main thread runs no OpenMP region of the load, so the engine thread's team is the only one."""
-    import threading
-
-    from verispec.server.launch import off_main_thread
-
-    main = threading.get_ident()
-    loader = off_main_thread(threading.get_ident)
-    assert loader != main and not any(t.ident == loader for t in threading.enumerate())
-    with pytest.raises(ValueError, match="bad model"):
-        off_main_thread(lambda: int("bad model"))
-
-
 def test_serves_with_speculation_by_default_until_interrupted(model_folder, tmp_path, flat_costs):
     """No method named: the server speculates (suffix decoding here, no heads being shipped for this
     model) under the adaptive depth policy, and a request may still turn speculation off."""

@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +33,14 @@ def machine() -> dict[str, object]:
     }
 
 
+def describe_busy(machine: dict[str, object]) -> str:
+    """``; other processes' CPU use in the second before the run: 3%`` where it was measured."""
+    busy = machine.get("cpu_busy")
+    if not isinstance(busy, float):
+        return ""
+    return f"; other processes' CPU use in the second before the run: {busy:.0%}"
+
+
 def describe_cpu(machine: dict[str, object]) -> str:
     """``AMD EPYC (avx2), 2 cores``: the processor as reports print it."""
     isa = machine.get("isa") or "vector ISA unknown"
@@ -44,6 +53,29 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (OSError, AttributeError):
         return None
+
+
+def cpu_busy(window: float = 1.0) -> float | None:
+    """The share of the machine's CPU time spent outside idle over the next ``window`` seconds,
+    while this process sleeps: how much other work runs now. The 1-minute load average lags by a
+    minute, so right after another benchmark it reports a machine that has since gone quiet; this
+    is the reading the reports' warning goes by. None where ``/proc/stat`` cannot be read."""
+
+    def ticks() -> tuple[int, int] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+        return sum(fields[:8]), idle  # guest time is already counted in user time
+
+    before = ticks()
+    time.sleep(window)
+    after = ticks()
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    total, idle = after[0] - before[0], after[1] - before[1]
+    return round(1.0 - idle / total, 3)
 
 
 def versions() -> dict[str, str | None]:

@@ -19,7 +19,7 @@ from statistics import fmean, median
 from typing import Any
 
 from verispec.bench.aggregate import Summary
-from verispec.bench.environment import describe_cpu
+from verispec.bench.environment import describe_busy, describe_cpu
 from verispec.bench.harness import BenchRun
 from verispec.bench.records import PromptRecord, Turn
 from verispec.bench.settings import PLAIN
@@ -303,16 +303,24 @@ def write_outputs(run: BenchRun, out_dir: Path, plots: Sequence[Path]) -> tuple[
 def _load(machine: dict[str, Any]) -> str:
     start, end = machine.get("load_average"), machine.get("load_average_end")
     before, after = (x[0] if x else "?" for x in (start, end))
-    return f"{before} before the run, {after} at its end (1 min; this run included)"
+    return f"{before} before the run, {after} at its end (1 min; this run included){describe_busy(machine)}"
 
 
 def _busy_warning(machine: dict[str, Any]) -> list[str]:
-    """A visible caveat when other work shared the CPU: the timings are then noisy and uneven."""
+    """A visible caveat when other work shared the CPU: the timings are then noisy and uneven.
+    Judged by what other processes used in the second before the run (``cpu_busy``); results
+    written before that reading existed fall back to the 1-minute load average, which lags."""
     cores = machine.get("cores") or 0
-    start = machine.get("load_average")
-    if cores and start and start[0] > 0.5 * cores:
+    busy, start = machine.get("cpu_busy"), machine.get("load_average")
+    if busy is not None:
+        why = f"other processes used {busy:.0%} of its CPU time in the second before the run"
+        warn = busy > 0.25
+    else:
+        why = f"load average {start[0] if start else '?'} on {cores} cores"
+        warn = bool(cores and start and start[0] > 0.5 * cores)
+    if warn:
         return [
-            f"- **warning**: the machine was busy before the run (load average {start[0]} on {cores} cores); "
+            f"- **warning**: the machine was busy before the run ({why}); "
             "other processes slow some generations more than others, so treat these timings as noisy"
         ]
     return []

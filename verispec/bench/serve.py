@@ -344,7 +344,7 @@ def run_serve_bench(
         records=[],
         servers=[],
         environment={
-            "machine": environment.machine(),
+            "machine": {**environment.machine(), "cpu_busy": environment.cpu_busy()},
             "versions": environment.versions(),
             "git_commit": environment.git_commit(),
         },

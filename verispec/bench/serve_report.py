@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.environment import describe_cpu
+from verispec.bench.environment import describe_busy, describe_cpu
 from verispec.bench.replies import ReplyCheck
 from verispec.bench.report import markdown_table
 from verispec.bench.serve_stats import LevelSummary, Spread
@@ -117,7 +117,7 @@ def report_markdown(results: dict[str, Any], summaries: Sequence[LevelSummary], 
         f"- plain: {s['plain_is']}",
         f"- machine: {describe_cpu(machine)}, server threads "
         f"{s.get('threads') or 'default'}; load average {machine.get('load_average')} at the start, "
-        f"{machine.get('load_average_end')} at the end",
+        f"{machine.get('load_average_end')} at the end{describe_busy(machine)}",
         "- the load generator runs on the same machine as the server and takes some of its CPU",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
         f"- git commit: {results.get('git_commit') or 'none'}",

@@ -53,9 +53,10 @@ sequence's last, partial block is kept too, so a later turn recomputes only its 
 blocks cost more hashing and more tensors per token."""
 
 CANDIDATES = 64
-"""Blocks under one parent compared token by token where a prompt leaves the chain of whole blocks
-(most recent first): bounds a lookup's cost under a parent with many continuations (a shared system
-prompt's); a longer match past them is missed, never a wrong one taken."""
+"""Blocks under one parent compared token by token (most recent first) where a prompt leaves the
+chain of whole blocks, and where a partial block is stored (is it covered already, which shorter
+ones does it replace): bounds a lookup's and a store's cost under a parent with many continuations
+(a shared system prompt's); a longer match past them is missed, never a wrong one taken."""
 
 TARGET, DRAFT = "", "draft"
 """Whose positions a block holds (the ``part`` of :meth:`PrefixCache.reuse` and :meth:`PrefixCache.keep`):
@@ -212,8 +213,7 @@ class PrefixCache:
         best: tuple[bytes, _Block, int] | None = None
         if not wanted:
             return None
-        children = self._children.get(parent, {})
-        for key in islice(reversed(children), CANDIDATES):
+        for key in self._recent(parent):
             block = self._blocks[key]
             if with_hidden and block.hidden is None:
                 continue
@@ -225,17 +225,22 @@ class PrefixCache:
         return best
 
     def _covered(self, parent: bytes, tokens: tuple[int, ...]) -> bool:
-        """Whether a stored block under ``parent`` starts with ``tokens`` (a partial block's)."""
-        return any(
-            self._blocks[key].tokens[: len(tokens)] == tokens for key in self._children.get(parent, {})
-        )
+        """Whether one of the :data:`CANDIDATES` blocks stored last under ``parent`` starts with
+        ``tokens`` (a partial block's). Missing an older one only stores the partial block twice."""
+        return any(self._blocks[key].tokens[: len(tokens)] == tokens for key in self._recent(parent))
 
     def _drop_prefixes_of(self, parent: bytes, tokens: tuple[int, ...]) -> None:
-        """Remove the partial blocks under ``parent`` that ``tokens`` extend."""
-        for key in list(self._children.get(parent, {})):
+        """Remove the partial blocks under ``parent`` that ``tokens`` extend, among the
+        :data:`CANDIDATES` stored last (a sequence's own partial block is among them; an older one
+        left behind stays correct, only redundant, until it is evicted)."""
+        for key in self._recent(parent):
             block = self._blocks[key]
             if len(block.tokens) < len(tokens) and tokens[: len(block.tokens)] == block.tokens:
                 self._remove(key)
+
+    def _recent(self, parent: bytes) -> list[bytes]:
+        """The keys of the :data:`CANDIDATES` blocks stored last under ``parent``, newest first."""
+        return list(islice(reversed(self._children.get(parent, {})), CANDIDATES))
 
     def _remove(self, key: bytes) -> None:
         block = self._blocks.pop(key)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verispec.models import native
+from verispec.models.base import head_dim_of
 from verispec.models.fused import FusedLinear
 from verispec.models.lean import NATIVE_SOURCE
 
@@ -61,7 +62,6 @@ class EagleConfig:
         """The target's own layer sizes (``intermediate_size`` may override the MLP width)."""
         cfg = target.config
         heads = int(cfg.num_attention_heads)
-        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         return cls(
@@ -69,7 +69,7 @@ class EagleConfig:
             intermediate_size=int(intermediate_size or cfg.intermediate_size),
             num_attention_heads=heads,
             num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
+            head_dim=head_dim_of(cfg),
             rope_theta=float(theta or getattr(cfg, "rope_theta", 10000.0) or 10000.0),
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6) or 1e-6),
             feature_layers=tuple(feature_layers),

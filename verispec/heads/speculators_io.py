@@ -51,6 +51,7 @@ from safetensors.torch import load_file
 
 from verispec.errors import VerispecError
 from verispec.heads.eagle3 import Eagle3Config, Eagle3Drafter
+from verispec.models.base import head_dim_of
 
 CheckpointFormat = Literal["speculators", "research"]
 LAYER_TYPES = ("llama", "qwen3")
@@ -224,7 +225,7 @@ def _build_config(
             intermediate_size=int(hf.intermediate_size),
             num_attention_heads=int(hf.num_attention_heads),
             num_key_value_heads=int(hf.num_key_value_heads or hf.num_attention_heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads),
+            head_dim=head_dim_of(hf),
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
             draft_vocab_size=int(draft_vocab_size),

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+
+def head_dim_of(config: Any) -> int:
+    """The attention head width a transformers config implies: its ``head_dim`` where it sets one
+    (some families, e.g. Qwen3 and Gemma, decouple it from the hidden size), else hidden size / heads.
+    One definition, as the rotary frequencies, EAGLE's layer and the speculators reader all need it."""
+    own = getattr(config, "head_dim", None)
+    return int(own or int(config.hidden_size) // int(config.num_attention_heads))
 
 
 @dataclass

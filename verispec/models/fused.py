@@ -28,7 +28,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from verispec.models.gguf_linear import GGUFLinear
 from verispec.models.int4 import Int4Linear
 from verispec.models.quant import RowwiseInt8Linear
 
@@ -123,13 +122,11 @@ def joint_bias(members: list[nn.Module]) -> torch.Tensor | None:
 def _concatenate(members: list[nn.Module | None]) -> nn.Module | None:
     """One Linear over the members' outputs, or None where they cannot be fused."""
     kinds = {type(m) for m in members}
-    if len(kinds) != 1 or not kinds & {RowwiseInt8Linear, Int4Linear, GGUFLinear}:
+    if len(kinds) != 1 or not kinds & {RowwiseInt8Linear, Int4Linear}:
         return None
     if len({m.in_features for m in members}) != 1:  # type: ignore[union-attr]
         return None
     bias = joint_bias(members)  # type: ignore[arg-type]
-    if kinds == {GGUFLinear}:
-        return GGUFLinear.concatenate(members, bias)  # type: ignore[arg-type]
     if kinds == {RowwiseInt8Linear}:
         weights, scales = zip(*(m.int8_parts() for m in members), strict=True)  # type: ignore[arg-type]
         return RowwiseInt8Linear(torch.cat(weights), torch.cat(scales), bias)

@@ -369,7 +369,7 @@ class GGUFLinear(nn.Module):
     def from_parts(
         cls, qtype: Q, parts: dict[str, torch.Tensor], shape: tuple[int, int], bias: torch.Tensor | None
     ) -> GGUFLinear:
-        """A layer over arrays already in the kernel's layout (fusion and row cuts build these)."""
+        """A layer over arrays already in the kernel's layout (a row cut builds these)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._adopt(qtype, parts, shape, bias)
@@ -399,24 +399,6 @@ class GGUFLinear(nn.Module):
         }
         bias = None if self.bias is None else self.bias[ids]
         return GGUFLinear.from_parts(self.qtype, parts, (len(ids), self.in_features), bias)
-
-    @staticmethod
-    def concatenate(members: list[GGUFLinear], bias: torch.Tensor | None) -> GGUFLinear | None:
-        """One layer over the members' outputs in turn (q, k and v; gate and up) with the members'
-        concatenated ``bias``, or None where they differ in type or inputs, or a member before the
-        last has a padded tile (its zero channels would shift the next member's)."""
-        first = members[0]
-        if any(m.qtype != first.qtype or m.in_features != first.in_features for m in members):
-            return None
-        if any(m.out_features % TILE for m in members[:-1]):
-            return None
-        each = [m.parts() for m in members]
-        parts = {
-            name: torch.cat([p[name] for p in each]) if value.numel() else value
-            for name, value in each[0].items()
-        }
-        shape = (sum(m.out_features for m in members), first.in_features)
-        return GGUFLinear.from_parts(first.qtype, parts, shape, bias)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights [out, in] this layer multiplies by."""

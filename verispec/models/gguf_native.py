@@ -340,9 +340,9 @@ def _pack_groups(
 ) -> None:
     """Pack each group of :data:`~verispec.models.fused.GROUPS` (q/k/v, gate/up) whose members are
     Linears of one block type and input size into one fused GGUFLinear, read straight from the
-    file's blocks: the layer :func:`~verispec.models.fused.fuse_projections` would build from the
-    separate ones, without their arrays and the copy into it (the 8B-shaped file: 8.1-8.3 s to load
-    instead of 10.4-13.9).
+    file's blocks (as :func:`~verispec.models.fused.fuse_projections` fuses int8 and int4 layers),
+    rather than packing the members apart and copying them into one (the 8B-shaped file: 8.1-8.3 s
+    to load instead of 10.4-13.9).
     Packed members leave ``blocks``."""
     parents = {owner.rpartition(".")[0] for owner in blocks}
     for parent in sorted(parents):

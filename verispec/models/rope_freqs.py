@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from verispec.errors import VerispecError
+from verispec.models.base import head_dim_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -63,7 +64,7 @@ def state_in_config(config: Any, divisors: np.ndarray, *, required: bool) -> boo
     text = config.get_text_config()
     rope = dict(text.rope_parameters or {})
     try:
-        scaling = llama3_parameters(divisors, float(rope["rope_theta"]), _rotary_dim(text))
+        scaling = llama3_parameters(divisors, float(rope["rope_theta"]), head_dim_of(text))
     except VerispecError:
         if required:
             raise
@@ -82,7 +83,7 @@ def set_frequencies(model: nn.Module, divisors: np.ndarray) -> None:
     if not rotaries:
         raise VerispecError(f"the file holds {TENSOR}, but the model has no rotary embedding to apply it to")
     text = model.config.get_text_config()
-    dim, theta = _rotary_dim(text), float(text.rope_parameters["rope_theta"])
+    dim, theta = head_dim_of(text), float(text.rope_parameters["rope_theta"])
     divisors = torch.from_numpy(np.asarray(divisors, dtype=np.float32)).flatten()
     if divisors.numel() != dim // 2:
         raise VerispecError(
@@ -94,11 +95,6 @@ def set_frequencies(model: nn.Module, divisors: np.ndarray) -> None:
         for name in ("inv_freq", "original_inv_freq"):
             if name in rotary._buffers:
                 rotary._buffers[name] = freqs.clone()
-
-
-def _rotary_dim(text_config: Any) -> int:
-    head_dim = getattr(text_config, "head_dim", None)
-    return int(head_dim or text_config.hidden_size // text_config.num_attention_heads)
 
 
 def llama3_parameters(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:

@@ -10,16 +10,11 @@ import ctypes
 import os
 import socket
 import sys
-import threading
-from collections.abc import Callable
-from typing import TypeVar
 
 from verispec.async_engine import AsyncEngine
 from verispec.engine import SpecEngine
 from verispec.errors import VerispecError
 from verispec.server.auth import Access
-
-T = TypeVar("T")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -62,32 +57,6 @@ def cap_malloc_arenas(limit: int = 2) -> bool:
         return bool(libc.mallopt(M_ARENA_MAX, limit))
     except (OSError, AttributeError):  # not glibc (musl has no mallopt arenas)
         return False
-
-
-def off_main_thread(build: Callable[[], T]) -> T:
-    """``build()`` on a thread of its own that ends with it; its result or its error comes back.
-
-    Loading a model and measuring its step costs run OpenMP regions (torch's ``parallel_for``,
-    verispec's kernels), and a thread that has run one keeps a team of OpenMP workers while it
-    lives. The engine then steps on a thread of its own, with a team of its own: with more OpenMP
-    threads alive than cores, GNU OpenMP (torch's wheels use it) stops letting its workers spin
-    between regions, and each region wakes them through the kernel. On 2 cores a 1.5B decode step
-    took 60-70 ms on the server's engine thread instead of ~40 ms; a loading thread that has ended
-    leaves no team behind."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = build()
-        except BaseException as exc:  # re-raised on the caller's thread
-            box["error"] = exc
-
-    worker = threading.Thread(target=run, name="verispec-load", daemon=True)
-    worker.start()
-    worker.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
 
 
 def ready(engine: SpecEngine) -> SpecEngine:
