@@ -40,9 +40,11 @@
 // (madd), both on the same two pipes of a Zen 3. Its tiles therefore add runs of pair sums in int16
 // before one madd (a Q4 group of 32 inputs: 9 multiplies a row instead of 16; see int16_run), and keep
 // one group's unpacked codes in registers while the rows take turns, so that a row's sums are all
-// that it keeps live (with every row's sums live, GCC spilled them around each product). On a real
-// Zen 3 (EPYC, 2 cores): one core's 8-row Q4_K products 37-61 -> 74-78 G multiply-adds/s, Q6_K 31 ->
-// 59-63, the outputs bit-identical to the tile before (same integer sums, same float operations).
+// that it keeps live (with every row's sums live, GCC spilled them around each product); the "k"
+// tiles take both half tiles at once, so one broadcast of a row's activations feeds two products.
+// On a real Zen 3 (EPYC, 2 cores): one core's 8-row Q4_K products 37-61 -> 74-78 G multiply-adds/s
+// with the runs, and on to ~97 with both halves at once; the outputs stayed bit-identical each time
+// (same integer sums, same float operations).
 //
 // Exact batch invariance: each output element is computed by one thread with the same sequence of
 // operations whatever the number of rows in the call and wherever its row sits (threads split the
@@ -453,24 +455,32 @@ constexpr int64_t int16_run() {
   return run >= VECS ? VECS : run;
 }
 
-// One half tile's (8 channels') G/4 code vectors of a group: 4 low bits from the nibbles at `cg`,
-// plus P high bits from the plane at `high` (P > 0; unread, may be null, for P = 0).
-template <int64_t G, int64_t P>
-inline void unpack_group_avx2(const uint8_t* cg, const uint8_t* high, __m256i (&wv)[G / 4]) {
+// Code vectors FIRST .. FIRST + N - 1 of one half tile's (8 channels') group: 4 low bits from the
+// nibbles at `cg`, plus P high bits from the plane at `high` (P > 0; unread, may be null, for P = 0).
+template <int64_t G, int64_t P, int64_t FIRST, int64_t N>
+inline void unpack_vecs_avx2(const uint8_t* cg, const uint8_t* high, __m256i (&wv)[N]) {
+  static_assert(FIRST + N <= G / 4, "a group has G / 4 code vectors");
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i high_mask = _mm256_set1_epi8(static_cast<char>(((1 << P) - 1) << 4));
   __m256i planes = _mm256_setzero_si256();
   if constexpr (P > 0) planes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
-  for (int64_t v = 0; v < G / 4; ++v) {
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t v = FIRST + i;
     const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + 64 * (v / 2)));
-    wv[v] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
+    wv[i] = _mm256_and_si256(v % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, low4);
     if constexpr (P > 0) {
       const int64_t at = P * v;
       const __m256i moved = at <= 4 ? _mm256_sll_epi16(planes, _mm_cvtsi64_si128(4 - at))
                                     : _mm256_srl_epi16(planes, _mm_cvtsi64_si128(at - 4));
-      wv[v] = _mm256_or_si256(wv[v], _mm256_and_si256(moved, high_mask));
+      wv[i] = _mm256_or_si256(wv[i], _mm256_and_si256(moved, high_mask));
     }
   }
+}
+
+// Each 32-bit lane's value (a sign-extended int8) in both of its int16 halves: the madd_epi16
+// factor that multiplies both pair sums of a channel by it.
+inline __m256i int16_pairs(__m256i v32) {
+  return _mm256_or_si256(_mm256_and_si256(v32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v32, 16));
 }
 
 // A legacy format's tile with AVX2 (no VNNI): each half of 8 channels at a time, a group's code vectors
@@ -510,7 +520,7 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
           wv[v] = _mm256_abs_epi8(qv[v]);
         }
       } else {
-        unpack_group_avx2<G, P>(cg, P ? highs + g * 64 + 32 * h : nullptr, wv);
+        unpack_vecs_avx2<G, P, 0, kVecs>(cg, P ? highs + g * 64 + 32 * h : nullptr, wv);
       }
 #pragma GCC unroll 1
       for (int64_t r = 0; r < ROWS; ++r) {
@@ -541,54 +551,77 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
   }
 }
 
-// "k" formats with AVX2, in integers per super-block as the AVX-512 build. A group's code vectors are
-// unpacked once into registers (8 for 32 inputs, 4 for 16), then each row walks them: maddubs sums the
-// code x activation pairs into int16, runs of them add up in int16 (int16_run), and madd_epi16 against
-// the group's scale (in both halves of each channel's lane) multiplies and sums them into int32 in one
-// step. Rows one after another keep few registers live: with every row's sums in registers the
-// compiler spilled them around each product. The offsets' sum_g mn_g * sum_g(a) takes one madd_epi16
-// per two groups; one conversion to float per super-block and row.
+// "k" formats with AVX2, in integers per super-block as the AVX-512 build. A group is taken in passes
+// of up to 4 code vectors of both half tiles, unpacked into registers (8 of them); each row then walks
+// them: one broadcast of 4 activations feeds a product for each half (maddubs sums the code x
+// activation pairs into int16), runs of products add up in int16 (int16_run; a Q4 group's run of 8
+// spans both passes, carried between them), and madd_epi16 against the group's scale (in both
+// halves of each channel's lane) multiplies and sums them into int32 in one step. Rows one after
+// another keep few registers live: with every row's sums in registers the compiler spilled them
+// around each product. The offsets' sum_g mn_g * sum_g(a) takes one madd_epi16 per two groups and
+// half; one conversion to float per super-block, row and half.
+//
+// Why both halves at once: Zen 3's two virtual cores run this loop at ~1.25x one core's rate, as
+// if they shared its four vector pipes, and each product's broadcast is a vector operation too.
+// Sharing a broadcast between the halves' products takes a row's group from 50 vector operations
+// to 42. Outputs are bit-identical to the tile that did one half after the other (the same integer
+// sums, the same float operations); a Q4_K 17920 x 1536 product at 8 rows went from 81-83 to 97
+// G multiply-adds/s on one core of a Zen 3 (hot, best of 60), at 4 and 2 rows 22% faster.
 template <int64_t G, int64_t P, int64_t ROWS>
 void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
   using L = KLayout<G, P>;
   constexpr int64_t kRun = int16_run<P, false, L::kVecs>();
-  static_assert(L::kVecs % kRun == 0, "runs split a group evenly");
+  constexpr int64_t kPass = L::kVecs < 4 ? L::kVecs : 4;  // code vectors per half in registers at once
+  static_assert(L::kVecs % kPass == 0 && (kRun % kPass == 0 || kPass % kRun == 0), "passes and runs align");
   const L at(w, tile);
   const int8_t* arow[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * w.K;
-  for (int64_t h = 0; h < 2; ++h) {
-    const int64_t n0 = tile * kTile + 8 * h;
-    if (n0 >= w.N) break;
-    __m256 acc[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < w.units; ++u) {
-      __m256i isum[ROWS], osum[ROWS];
-      for (int64_t r = 0; r < ROWS; ++r) isum[r] = osum[r] = _mm256_setzero_si256();
-      for (int64_t j = 0; j < L::kPerUnit; ++j) {
-        const int64_t g = u * L::kPerUnit + j;
-        const uint8_t* cg = at.codes + g * L::kCodeBytes + 32 * h;
-        const __m256i sc32 = _mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at.iscales + g * L::kIScales * kTile + 8 * h)));
-        const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(sc32, _mm256_set1_epi32(0xFFFF)),
-                                             _mm256_slli_epi32(sc32, 16));  // sc in both int16 halves
-        __m256i wv[L::kVecs];
-        unpack_group_avx2<G, P>(cg, P ? at.highs + g * 64 + 32 * h : nullptr, wv);
+  __m256 acc[2][ROWS];
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t r = 0; r < ROWS; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < w.units; ++u) {
+    __m256i isum[2][ROWS], osum[2][ROWS];
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t r = 0; r < ROWS; ++r) isum[h][r] = osum[h][r] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < L::kPerUnit; ++j) {
+      const int64_t g = u * L::kPerUnit + j;
+      const uint8_t* cg = at.codes + g * L::kCodeBytes;
+      const uint8_t* high = P ? at.highs + g * 64 : nullptr;
+      const int8_t* sc = at.iscales + g * L::kIScales * kTile;
+      const __m256i sc0 = int16_pairs(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+      const __m256i sc1 =
+          int16_pairs(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8))));
+      __m256i carry[2][ROWS];  // a run's int16 sums from one pass to the next (Q4: 8 vectors, 2 passes)
+      auto pass = [&]<int64_t P0>() {
+        __m256i w0[kPass], w1[kPass];
+        unpack_vecs_avx2<G, P, P0, kPass>(cg, high, w0);
+        unpack_vecs_avx2<G, P, P0, kPass>(cg + 32, P ? high + 32 : nullptr, w1);
 #pragma GCC unroll 1
         for (int64_t r = 0; r < ROWS; ++r) {
           const int8_t* ag = arow[r] + g * G;
-          __m256i sum = isum[r];
-          for (int64_t v0 = 0; v0 < L::kVecs; v0 += kRun) {
-            __m256i pairs = _mm256_setzero_si256();
-            for (int64_t v = v0; v < v0 + kRun; ++v) {
-              int32_t four;
-              std::memcpy(&four, ag + 4 * v, 4);
-              pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wv[v], _mm256_set1_epi32(four)));
+          __m256i pr0 = _mm256_setzero_si256(), pr1 = _mm256_setzero_si256();
+          if constexpr (kRun > kPass && P0 % kRun != 0) pr0 = carry[0][r], pr1 = carry[1][r];
+          __m256i s0 = isum[0][r], s1 = isum[1][r];
+          for (int64_t i = 0; i < kPass; ++i) {
+            int32_t four;
+            std::memcpy(&four, ag + 4 * (P0 + i), 4);
+            const __m256i av = _mm256_set1_epi32(four);
+            pr0 = _mm256_add_epi16(pr0, _mm256_maddubs_epi16(w0[i], av));
+            pr1 = _mm256_add_epi16(pr1, _mm256_maddubs_epi16(w1[i], av));
+            if ((P0 + i + 1) % kRun == 0) {
+              s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(pr0, sc0));
+              s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(pr1, sc1));
+              pr0 = pr1 = _mm256_setzero_si256();
             }
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, sc16));
           }
-          isum[r] = sum;
+          isum[0][r] = s0, isum[1][r] = s1;
+          if constexpr (kRun > kPass) carry[0][r] = pr0, carry[1][r] = pr1;
         }
-        if (j % 2 == 1) {  // the offset term of groups g - 1 and g: lanes (mn_{g-1}, mn_g) per channel
+      };
+      pass.template operator()<0>();
+      if constexpr (L::kVecs > kPass) pass.template operator()<kPass>();
+      if (j % 2 == 1) {  // the offset term of groups g - 1 and g: lanes (mn_{g-1}, mn_g) per channel
+        for (int64_t h = 0; h < 2; ++h) {
           const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile + 8 * h;
           const __m128i m0v = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
           const __m128i m1v =
@@ -597,24 +630,30 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
           for (int64_t r = 0; r < ROWS; ++r) {
             int32_t two;
             std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
-            osum[r] = _mm256_add_epi32(osum[r], _mm256_madd_epi16(mnp, _mm256_set1_epi32(two)));
+            osum[h][r] = _mm256_add_epi32(osum[h][r], _mm256_madd_epi16(mnp, _mm256_set1_epi32(two)));
           }
         }
       }
+    }
+    for (int64_t h = 0; h < 2; ++h) {
       const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile + 8 * h;
       const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm)));
       const __m256 Mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + kTile)));
       for (int64_t r = 0; r < ROWS; ++r) {
         const __m256 xs = _mm256_set1_ps(a.xs[(m0 + r) * w.units + u]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(D, xs), acc[r]);
-        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(osum[r]), _mm256_mul_ps(Mv, xs), acc[r]);
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][r]), _mm256_mul_ps(D, xs), acc[h][r]);
+        acc[h][r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(osum[h][r]), _mm256_mul_ps(Mv, xs), acc[h][r]);
       }
     }
+  }
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t n0 = tile * kTile + 8 * h;
+    if (n0 >= w.N) break;
     const int64_t valid = std::min<int64_t>(8, w.N - n0);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(valid)), lanes);
     const __m256 b = bias != nullptr ? _mm256_maskload_ps(bias + n0, keep) : _mm256_setzero_ps();
-    for (int64_t r = 0; r < ROWS; ++r) _mm256_maskstore_ps(y + (m0 + r) * w.N + n0, keep, _mm256_add_ps(acc[r], b));
+    for (int64_t r = 0; r < ROWS; ++r) _mm256_maskstore_ps(y + (m0 + r) * w.N + n0, keep, _mm256_add_ps(acc[h][r], b));
   }
 }
 #endif
