@@ -16,11 +16,14 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def machine() -> dict[str, object]:
-    """CPU model, core count, RAM, the threads PyTorch uses and how busy the machine is right now."""
+def machine(*, busy: bool = False) -> dict[str, object]:
+    """CPU model, core count, RAM, the threads PyTorch uses and how busy the machine is right now;
+    ``busy`` adds other processes' CPU use over the next second (:func:`cpu_busy`), which the timed
+    runs' reports warn by."""
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    reading = {"cpu_busy": cpu_busy()} if busy else {}
     return {
         "cpu": _cpu_model(),
         "isa": vector_isa(_cpuinfo_field("flags") or ""),
@@ -30,6 +33,7 @@ def machine() -> dict[str, object]:
         "platform": platform.platform(),
         "gpu": gpu,
         "load_average": load_average(),
+        **reading,
     }
 
 

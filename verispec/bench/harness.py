@@ -126,8 +126,7 @@ def run_bench(
     measured; with ``resume`` too, the records already there are kept and not measured again.
     """
     started = time.perf_counter()
-    machine = environment.machine()  # before loading: how busy others keep the machine
-    machine["cpu_busy"] = environment.cpu_busy()
+    machine = environment.machine(busy=True)  # before loading: how busy others keep the machine
     prompts = select_prompts(settings)  # before loading: a bad --data-dir fails in a second
     raw = sorted({p.dataset for p in prompts if not p.chat})
     if settings.json_schema is not None and raw:  # JSON mode asks for JSON in the user turns

@@ -344,7 +344,7 @@ def run_serve_bench(
         records=[],
         servers=[],
         environment={
-            "machine": {**environment.machine(), "cpu_busy": environment.cpu_busy()},
+            "machine": environment.machine(busy=True),
             "versions": environment.versions(),
             "git_commit": environment.git_commit(),
         },
