@@ -94,6 +94,18 @@ def test_real_head_shapes_across_key_blocks(heads, kv_heads, dim):
         assert torch.equal(_op(q[:, s : s + 1].contiguous(), keys, values, start + s)[0], together[s])
 
 
+def test_sharp_scores_against_float64():
+    """Scores hundreds apart, as a long context's attention sinks give: the vector paths' exp (a
+    polynomial, 0 below -87.3) must still give the softmax of float64, keys far below the top
+    weighing nothing, over a last block of fewer than 8 and of 16 keys."""
+    gen = torch.Generator().manual_seed(2)
+    keys, values = (torch.randn(2, 64, 128, generator=gen) for _ in range(2))
+    start, n = 40, 3  # 41..43 keys
+    q = 30 * torch.randn(12, n, 128, generator=gen)  # scores spread over hundreds
+    lists = [list(range(start + s + 1)) for s in range(n)]
+    torch.testing.assert_close(_op(q, keys, values, start), _reference(q, keys, values, lists))
+
+
 def test_the_model_scores_as_with_the_python_loop():
     lm = HFCausalLM(tiny_llama(2), name="float32")  # float weights: the difference is rounding only
     ids = [(3 * i + 1) % 96 for i in range(30)]

@@ -21,9 +21,12 @@
 // vectors; the softmax sum and the value sums in 16 lanes. The scalar exp and the per-key horizontal
 // sums were most of the 8-lane loop's time: it ran at ~50 GFLOP/s on a Zen 5 core pair, so the
 // 1.5B's 28 layers took 5 ms per decoded token at a 1500-token context and 32 ms for a 6-token
-// verify step, as much as the forward's Linears. Every number still comes from operations fixed by
-// D, the position's own keys and their count, so the invariance above holds; the AVX-512 and AVX2
-// builds round differently, as builds for different CPUs may.
+// verify step, as much as the forward's Linears. With AVX2 alone the same task runs in 8-lane
+// vectors (attend256: 8 keys a block, their sums by one fixed hadd tree, the same exp polynomial);
+// on a Zen 3 core pair that took a 1.5B verify step over 5 tokens at a 900-token context from ~22 to
+// ~8-13 ms of attention. Every number still comes from operations fixed by D, the position's own keys
+// and their count, so the invariance above holds; the AVX-512 and AVX2 builds round differently, as
+// builds for different CPUs may.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -174,6 +177,134 @@ void attend512(const float* q, const float* keys, const float* values, const std
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// exp(x) for x <= 0 in 8 lanes: exp512's reduction and polynomial; 2^n built in the exponent bits
+// (n >= -126 above the cut-off, so a normal float). Below -87.3 the result is 0.
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Lane i of the result: the sum of acc[i]'s 8 lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)) for
+// every i, so a score's bits do not depend on its neighbours.
+inline __m256 sum8(const __m256* acc) {
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// weigh_values in 8-lane chunks: CP chunks of D at a time, G x CP accumulators in registers.
+template <int G, int CP>
+void weigh_values256(const float* values, const std::vector<int64_t>& idx, int64_t D, const float* e,
+                     int64_t stride, const float* inv, float* out) {
+  const int64_t m = static_cast<int64_t>(idx.size());
+  for (int64_t c = 0; c < D; c += 8 * CP) {
+    __m256 acc[G][CP];
+    for (int g = 0; g < G; ++g)
+      for (int h = 0; h < CP; ++h) acc[g][h] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < m; ++j) {
+      const float* v = values + idx[j] * D + c;
+      __m256 vc[CP];
+      for (int h = 0; h < CP; ++h) vc[h] = _mm256_loadu_ps(v + 8 * h);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_broadcast_ss(e + g * stride + j);
+        for (int h = 0; h < CP; ++h) acc[g][h] = _mm256_fmadd_ps(w, vc[h], acc[g][h]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int h = 0; h < CP; ++h)
+        _mm256_storeu_ps(out + g * D + c + 8 * h, _mm256_mul_ps(acc[g][h], _mm256_set1_ps(inv[g])));
+  }
+}
+
+template <int G>
+void weigh_values256_of(const float* values, const std::vector<int64_t>& idx, int64_t D, const float* e,
+                        int64_t stride, const float* inv, float* out) {
+  if (G <= 6 && D % 16 == 0)  // 2G accumulators, two value chunks and a weight: 15 of 16 registers
+    weigh_values256<G, 2>(values, idx, D, e, stride, inv, out);
+  else
+    weigh_values256<G, 1>(values, idx, D, e, stride, inv, out);
+}
+
+// attend512 in 8-lane vectors, for D a multiple of 8 (at most 1024) and at most 8 query heads per
+// key/value head: the scores of 8 keys at a time (their lane sums by sum8), exp by exp256, the
+// softmax sum and the value sums in 8 lanes. The scalar exp and a horizontal sum per key and head
+// made the loop below ~575 cycles a key on a Zen 3 core (1.5B, 6 heads a key/value head, D 128).
+void attend256(const float* q, const float* keys, const float* values, const std::vector<int64_t>& idx,
+               int64_t groups, int64_t D, float scale, std::vector<float>& scores, float* out) {
+  static const float zeros[1024] = {};  // the missing keys of a last block of fewer than 8
+  const int64_t m = static_cast<int64_t>(idx.size());
+  const int64_t padded = (m + 7) / 8 * 8;
+  scores.resize(groups * padded);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < m; j0 += 8) {
+    const float* k[8];
+    for (int64_t i = 0; i < 8; ++i) k[i] = j0 + i < m ? keys + idx[j0 + i] * D : zeros;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + g * D + c);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[i] + c), acc[i]);
+      }
+      _mm256_storeu_ps(scores.data() + g * padded + j0, _mm256_mul_ps(sum8(acc), vscale));
+    }
+  }
+  // Softmax numerators in place and their sums: 8 lanes over the keys in order, then a fixed sum
+  // of the lanes; the lanes of a last block of fewer than 8 keys are left out (0 in the sums).
+  float inv[8];
+  const int64_t whole = m / 8 * 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(m - whole)), lane));
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  for (int64_t g = 0; g < groups; ++g) {
+    float* e = scores.data() + g * padded;
+    __m256 top = ninf;
+    for (int64_t j0 = 0; j0 < whole; j0 += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(e + j0));
+    if (whole < m) top = _mm256_max_ps(top, _mm256_blendv_ps(ninf, _mm256_loadu_ps(e + whole), tail));
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_shuffle_ps(t4, t4, 1));
+    const __m256 vtop = _mm256_set1_ps(_mm_cvtss_f32(t4));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+      __m256 x = exp256(_mm256_sub_ps(_mm256_loadu_ps(e + j0), vtop));
+      if (j0 == whole) x = _mm256_and_ps(x, tail);
+      _mm256_storeu_ps(e + j0, x);
+      total = _mm256_add_ps(total, x);
+    }
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    inv[g] = 1.f / _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+  }
+  switch (groups) {
+    case 1: weigh_values256_of<1>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 2: weigh_values256_of<2>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 3: weigh_values256_of<3>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 4: weigh_values256_of<4>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 5: weigh_values256_of<5>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 6: weigh_values256_of<6>(values, idx, D, scores.data(), padded, inv, out); break;
+    case 7: weigh_values256_of<7>(values, idx, D, scores.data(), padded, inv, out); break;
+    default: weigh_values256_of<8>(values, idx, D, scores.data(), padded, inv, out); break;
+  }
+}
+#endif
+
 // Scores of the `groups` query heads q[g * D ...] that share one key/value head against the keys
 // at idx, then their softmax-weighted sums of the values into out[g * D ...] (heads of one
 // position are D apart in both). The order of every sum is fixed by D and idx alone.
@@ -182,6 +313,10 @@ void attend(const float* q, const float* keys, const float* values, const std::v
 #if defined(__AVX512F__)
   if (D % 16 == 0 && D <= 1024 && groups <= 8 && !idx.empty())
     return attend512(q, keys, values, idx, groups, D, scale, scores, out);
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  if (D % 8 == 0 && D <= 1024 && groups <= 8 && !idx.empty())
+    return attend256(q, keys, values, idx, groups, D, scale, scores, out);
 #endif
   const int64_t m = static_cast<int64_t>(idx.size());
   scores.assign(groups * m, 0.f);
