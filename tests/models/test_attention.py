@@ -95,9 +95,9 @@ def test_real_head_shapes_across_key_blocks(heads, kv_heads, dim):
 
 
 def test_sharp_scores_against_float64():
-    """Scores hundreds apart, as a long context's attention sinks give: the vector paths' exp (a
-    polynomial, 0 below -87.3) must still give the softmax of float64, keys far below the top
-    weighing nothing, over a last block of fewer than 8 and of 16 keys."""
+    """Scores tens to hundreds apart: the vector paths' exp (a polynomial, 0 below -87.3) must
+    still give float64's softmax, keys far below the top weighing nothing, with the last block of
+    keys short of 8 (AVX2) and of 16 (AVX-512)."""
     gen = torch.Generator().manual_seed(2)
     keys, values = (torch.randn(2, 64, 128, generator=gen) for _ in range(2))
     start, n = 40, 3  # 41..43 keys
