@@ -221,3 +221,35 @@ def test_proposer_state_stays_fresh_while_speculation_is_paused(tiny_target, tin
     resumed = engine_for(tiny_target, draft, method).generate(prompt + want.token_ids[:15], max_new_tokens=45)
     assert got.stats.num_drafted == resumed.stats.num_drafted > 0
     assert got.stats.num_accepted == resumed.stats.num_accepted > 0
+
+
+@pytest.mark.parametrize("places", [None, 3])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_burst_of_prompts_is_prefilled_one_a_step_on_cpu_or_together_when_asked(
+    tiny_target, places, temperature
+):
+    """Three prompts added at once: by default (CPU) each takes a step's prefill of its own, so the
+    first gets its first token a step before the second, and not after all three prompts' work;
+    with ``prefill_sequences=3`` one forward prefills them all and their first tokens come together.
+    Either way each gets the tokens (and draws) it gets alone."""
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[5]]
+    options = {"max_new_tokens": 6, "temperature": temperature, "seed": 3}
+    want = [engine_for(tiny_target, None, None).generate(p, **options).token_ids for p in prompts]
+    scheduler = SchedulerConfig(max_batch_size=3, prefix_cache_gb=0.0, prefill_sequences=places)
+    engine = SpecEngine(tiny_target, None, SpecConfig(method=None), scheduler=scheduler)
+    requests = [engine.make_request(p, **options) for p in prompts]
+    for request in requests:
+        engine.add(request)
+    first_step: dict[str, int] = {}
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    step = 0
+    while engine.has_work():
+        step += 1
+        for out in engine.step():
+            assert out.error is None
+            if out.events:
+                first_step.setdefault(out.request_id, step)
+            got[out.request_id] += [e.token_id for e in out.events]
+    assert [got[r.request_id] for r in requests] == want
+    firsts = [first_step[r.request_id] for r in requests]
+    assert firsts == ([1, 2, 3] if places is None else [1, 1, 1])

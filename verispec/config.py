@@ -362,3 +362,8 @@ class SchedulerConfig(_Checked):
     prefill_chunk: int = bounded(512, ge=1)
     """Prompt tokens fed per step: a long prompt is prefilled over several steps, so the running
     sequences keep producing tokens meanwhile."""
+    prefill_sequences: int | None = bounded(None, ge=1)
+    """Sequences whose prompt chunks share a step's prefill forward, first come first. None: one on
+    CPU, where a forward costs in proportion to its tokens, so prompts batched together all wait for
+    the last one's prefill, while one a step the first waits for its own alone; on CUDA as many as
+    the step's token budget holds, where extra rows cost little until the arithmetic units fill."""

@@ -186,14 +186,24 @@ def test_only_a_position_invariant_target_with_nothing_waiting_on_the_prefill_ta
     assert not joins(int8_target, "draft", quantized_draft)  # the draft is fed the prompt with it
 
 
-def test_a_tail_is_prefilled_apart_beside_a_sequence_that_decodes(int8_target, monkeypatch):
-    """Its length would pad the decoding sequence's one-token row: the step runs two forwards."""
+def test_a_tail_rides_in_the_decode_forward_beside_a_sequence_that_decodes(int8_target, monkeypatch):
+    """Rows are packed, not padded, so a new prompt's tail costs no forward of its own beside a
+    decoding sequence either: the step runs one forward, and both get the tokens they get alone."""
+    first, second = PROMPTS[2], PROMPTS[2][:7]
+    alone = [engine(int8_target, None).generate(p, max_new_tokens=8).token_ids for p in (first, second)]
     eng = engine(int8_target, None)
     forwards = Forwards(int8_target)
     monkeypatch.setattr(int8_target, "forward_batch", forwards)
-    eng.add(eng.make_request(PROMPTS[2], max_new_tokens=8))
-    eng.step()
+    requests = [eng.make_request(p, max_new_tokens=8) for p in (first, second)]
+    got: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    eng.add(requests[0])
+    outputs = eng.step()
     assert forwards.rows == [[9]]  # alone: its 8 prompt tokens and its pending one in one forward
-    eng.add(eng.make_request(PROMPTS[2][:7], max_new_tokens=8))
-    eng.step()
-    assert forwards.rows[1:] == [[6], [1, 1]]  # beside it: a prefill of 6, then both decode
+    eng.add(requests[1])
+    outputs += eng.step()
+    assert forwards.rows[1:] == [[1, 7]]  # beside it: its pending token, then the 6 + 1 of the new one
+    while eng.has_work():
+        outputs += eng.step()
+    for out in outputs:
+        got[out.request_id] += [e.token_id for e in out.events]
+    assert [got[r.request_id] for r in requests] == alone

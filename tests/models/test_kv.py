@@ -56,6 +56,28 @@ def test_rows_of_a_batch_do_not_see_each_other(int8_lm):
     assert [c.length for c in caches] == [6, 34, 52]
 
 
+def test_packed_rows_hand_each_row_its_own_tail_and_cache_positions(int8_lm):
+    """Rows of 1, 9 and 3 tokens lie side by side in one forward: each row's logits, hidden states
+    and keys are those it gets alone, whichever rows sit before and after it."""
+    lm, rows = int8_lm, [[5], list(range(10, 19)), [40, 41, 42]]
+    alone = []
+    for row in rows:
+        cache = lm.new_cache()
+        lm.forward(torch.tensor([[3, 4]]), cache)
+        out = lm.forward_batch([cache], [row], logits_to_keep=[len(row)], hidden_to_keep=[min(2, len(row))])
+        alone.append((out.logits[0], out.hidden[0], cache.layer(0)[0][:, : cache.length].clone()))
+    caches = [lm.new_cache() for _ in rows]
+    for cache in caches:
+        lm.forward(torch.tensor([[3, 4]]), cache)
+    out = lm.forward_batch(caches, rows, logits_to_keep=[len(r) for r in rows], hidden_to_keep=[1, 2, 2])
+    for b, (logits, hidden, keys) in enumerate(alone):
+        assert torch.equal(out.logits[b], logits)
+        assert torch.equal(out.hidden[b], hidden[-out.hidden[b].shape[0] :])
+        assert torch.equal(caches[b].layer(0)[0][:, : caches[b].length], keys)
+    with pytest.raises(ValueError, match="at most its own tokens"):
+        lm.forward_batch([lm.new_cache(), lm.new_cache()], [[1], [2, 3]], logits_to_keep=[2, 1])
+
+
 def test_cached_decoding_matches_transformers_full_forward(tiny_target):
     ids = torch.tensor([list(range(3, 40))])
     want = tiny_target.model(input_ids=ids).logits[0].float()  # transformers' own attention path

@@ -3,10 +3,11 @@
 - **prefill**: each new sequence first takes the longest prefix of its prompt that the prefix cache
   holds for its scope (:mod:`verispec.engine.prefix_cache`), then feeds the rest of its prompt
   tokens but the last, in chunks within a per-step token budget (a draft model is fed them too
-  where the depth policy expects to use it). Where nothing needs the prompt's hidden states, rows
-  are position-invariant and no other sequence decodes in the step (its short rows would be padded
-  to the tail's length), the last chunk rides in the step's decode forward instead, before the
-  pending token: the first token costs one pass over the weights, not two;
+  where the depth policy expects to use it), one sequence a step on CPU, first come first. Where
+  rows are position-invariant and nothing needs what only a prefill hands on
+  (:meth:`Step._tail_joins_decode`), the last chunk rides in the step's decode forward instead,
+  before the pending token, beside the other sequences' rows (rows are packed, not padded: see
+  :class:`~verispec.models.kv.RowBatch`): the first token costs one pass over the weights, not two;
 - **decode** (:meth:`Step.decode`): propose -> verify -> commit or roll back -> stats. The
   proposer drafts for every sequence (:mod:`verispec.engine.drafting`); one batched target forward
   scores every row's ``[pending, d_1 .. d_N]`` (a tree's nodes under a tree mask); each row is
@@ -106,40 +107,39 @@ class Step:
         """Take what the prefix cache holds of new sequences' prompts, then feed the next prompt
         chunk of sequences still prefilling, within the step's token budget, in one batched
         forward. A chunk ends at the next multiple of ``prefill_chunk``, so how a prompt is split
-        depends on its length alone, never on what else is running."""
+        depends on its length alone, never on what else is running. At most
+        :meth:`_prefill_sequences` sequences take a chunk in a step, in arrival order."""
         failed: list[RequestOutput] = []  # a sequence whose reuse fails ends with its error
         for seq in [s for s in self.scheduler.running if not s.reuse_checked]:
             failed += self.guarded([seq], self._reuse)
         chunk = self.scheduler.config.prefill_chunk
-        budget = chunk
-        seqs, rows, tails = [], [], []
-        short_rows = any(s.prefilled for s in self.scheduler.running)  # sequences decoding this step
+        budget, places = chunk, self._prefill_sequences()
+        seqs, rows = [], []
         for seq in self.scheduler.running:
             if seq.prefilled:
                 continue
-            if budget <= 0:
+            if budget <= 0 or places <= 0:
                 break
+            places -= 1
             start = seq.cache.length
             end = min(seq.pending_position, (start // chunk + 1) * chunk)
             budget -= end - start
-            if end == seq.pending_position:
-                if self._tail_joins_decode(seq):
-                    tails.append((seq, seq.token_ids[start:end]))
-                    continue
-                short_rows = True
+            if end == seq.pending_position and self._tail_joins_decode(seq):
+                seq.tail_in_decode = True
+                continue
             seqs.append(seq)
             rows.append(seq.token_ids[start:end])
-        for seq, row in tails:
-            # Beside a sequence that decodes with its pending token and draft alone, a tail would pad
-            # every row of the batched forward to its length: then it is prefilled apart.
-            if short_rows:
-                seqs.append(seq)
-                rows.append(row)
-            else:
-                seq.tail_in_decode = True
         if not seqs:
             return failed
         return failed + self.guarded(seqs, lambda seqs: self._prefill_chunks(seqs, rows))
+
+    def _prefill_sequences(self) -> int:
+        """How many sequences may take a prompt chunk in this step (``prefill_sequences``; by default
+        one on CPU, where batching prompts saves no time and makes the first wait for the last)."""
+        limit = self.scheduler.config.prefill_sequences
+        if limit is not None:
+            return limit
+        return 1 if self.target.device.type == "cpu" else len(self.scheduler.running)
 
     def _tail_joins_decode(self, seq: SeqState) -> bool:
         """Whether ``seq``'s last prompt chunk can be fed in the decode forward, before its pending
@@ -342,8 +342,9 @@ class VerifyRows:
         for seq, draft, start, held in zip(seqs, drafts, starts, cached, strict=True):
             tokens.append(seq.token_ids[held:] + draft.tokens.tolist())  # the pending token is the root
             pos, mask = tree_attention_inputs(draft, start)
-            if mask is not None and held < start:
-                pos, mask = list(range(held, start)) + pos, _after_tail(mask, start - held)
+            if held < start:
+                pos = list(range(held, start)) + pos
+                mask = None if mask is None else _after_tail(mask, start - held)
             positions.append(pos)
             masks.append(mask)
         if all(m is None for m in masks):  # only chains: the model's causal path

@@ -60,8 +60,8 @@ run."""
 
 def rowwise_attention(
     module: nn.Module,
-    query: torch.Tensor,  # [B, H, S, D]
-    key: torch.Tensor,  # [B, Hkv, S, D] (our RowBatch returns only the new positions)
+    query: torch.Tensor,  # [1, H, N, D]: the rows packed (see RowBatch)
+    key: torch.Tensor,  # [1, Hkv, N, D] (our RowBatch returns only the new positions)
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
@@ -74,30 +74,32 @@ def rowwise_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    batch, heads, width, dim = query.shape
+    _, heads, tokens, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     layer = int(module.layer_idx)
-    out = query.new_zeros(batch, width, kv_heads, groups, dim)  # padded queries stay zero
-    for b in range(batch):
+    out = query.new_empty(tokens, kv_heads, groups, dim)
+    for b in range(len(rows.caches)):
         keys, values = rows.caches[b].layer(layer)  # [Hkv, capacity, D]
-        start, n = rows.starts[b], rows.lengths[b]
+        start, n, span = rows.starts[b], rows.lengths[b], rows.span(b)
+        row_query = query[0, :, span]  # [H, n, D]
         tree = rows.tree_mask(b)
         if tree is not None:  # built on the CPU by the engine; its paths index this row's buffers
             tree = tree.to(keys.device)
         if rows.native_attention and _native_ready(query, keys):
-            out[b, :n] = torch.ops.verispec_attention.rowwise_attention(
-                query[b, :, :n], keys, values, start, window or 0, tree, scale
+            out[span] = torch.ops.verispec_attention.rowwise_attention(
+                row_query, keys, values, start, window or 0, tree, scale
             ).view(n, kv_heads, groups, dim)
             continue
         if n > ROWWISE_MAX_QUERIES and tree is None:
-            out[b, :n] = _prefill_row(query[b, :, :n], keys, values, start, scale, window).view(
+            out[span] = _prefill_row(row_query, keys, values, start, scale, window).view(
                 n, kv_heads, groups, dim
             )
             continue
-        q = query[b].reshape(kv_heads, groups, width, dim)  # [Hkv, G, S, D]
+        q = row_query.reshape(kv_heads, groups, n, dim)  # [Hkv, G, n, D]
+        row_out = out[span]
         tree_nodes = None  # the tree's own keys and values, in node order, and its mask
         if tree is not None:
             tree_nodes = (keys[:, start : start + n].clone(), values[:, start : start + n].clone(), tree)
@@ -108,11 +110,11 @@ def rowwise_attention(
             k_s, v_s = keys[:, lo:seen], values[:, lo:seen]
             scores = torch.matmul(q[:, :, s], k_s.transpose(1, 2)) * scale  # [Hkv, G, seen]
             probs = scores.float().softmax(dim=-1).to(v_s.dtype)
-            out[b, s] = torch.matmul(probs, v_s)  # [Hkv, G, D]
+            row_out[s] = torch.matmul(probs, v_s)  # [Hkv, G, D]
         if tree_nodes is not None:  # the tree's keys and values back in node order, for the rollback
             keys[:, start : start + n] = tree_nodes[0]
             values[:, start : start + n] = tree_nodes[1]
-    return out.reshape(batch, width, heads, dim), None  # [B, S, H, D], as transformers expects
+    return out.reshape(1, tokens, heads, dim), None  # [1, N, H, D], as transformers expects
 
 
 def _native_ready(query: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -147,21 +147,14 @@ class HFCausalLM:
             raise ValueError("every row of a batched forward needs at least one token")
         starts = [c.length for c in caches]
         lengths = [len(t) for t in tokens]
+        for keep in (logits_to_keep, hidden_to_keep or lengths):
+            if any(not 0 <= k <= n for k, n in zip(keep, lengths, strict=True)):
+                raise ValueError("a row keeps logits or hidden states for at most its own tokens")
         for start, n in zip(starts, lengths, strict=True):
             if start + n > self.max_context:
                 raise VerispecError(
                     f"{self.name}: {start + n} tokens exceed the model's context of {self.max_context}"
                 )
-        width = max(lengths)
-        input_ids = torch.zeros(len(tokens), width, dtype=torch.long)
-        position_ids = torch.empty(len(tokens), width, dtype=torch.long)
-        for b, row in enumerate(tokens):
-            input_ids[b, : lengths[b]] = torch.as_tensor(row, dtype=torch.long)
-            if positions is not None:
-                position_ids[b, : lengths[b]] = torch.as_tensor(positions[b], dtype=torch.long)
-                position_ids[b, lengths[b] :] = position_ids[b, lengths[b] - 1]
-            else:
-                position_ids[b] = torch.arange(starts[b], starts[b] + width)
         taps = self.check_feature_layers(feature_layers)
         rows = RowBatch(
             caches=caches,
@@ -170,6 +163,15 @@ class HFCausalLM:
             tree_masks=tree_masks,
             native_attention=self.native_attention,
         )
+        # the rows packed side by side, each at its own positions (RowBatch)
+        input_ids = torch.tensor([[t for row in tokens for t in row]], dtype=torch.long)
+        if positions is not None:
+            position_ids = torch.tensor([[p for row in positions for p in row]], dtype=torch.long)
+        else:
+            position_ids = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.shape != input_ids.shape:
+            raise ValueError("every row needs as many positions as tokens")
         input_ids, position_ids = input_ids.to(self.device), position_ids.to(self.device)
         with prompt_rows() if not any(logits_to_keep) else nullcontext():
             if self.lean:
@@ -181,24 +183,24 @@ class HFCausalLM:
                     taps,
                     native=self.native_layers,
                     raw_taps=raw_features,
-                )  # [B, S, H']
+                )  # [1, N, H']
             else:
                 hidden = self._decoder_forward(input_ids, position_ids, rows, taps, raw_features)
         for cache, n in zip(caches, lengths, strict=True):
             cache.advance(n)
-        kept = [hidden[b, n - k : n] for b, (n, k) in enumerate(zip(lengths, logits_to_keep, strict=True))]
+        ends = rows.offsets[1:]
+        hidden = hidden[0]  # [N, H']
+        kept = [hidden[end - k : end] for end, k in zip(ends, logits_to_keep, strict=True)]
         flat = torch.cat(kept)[:, : self.hidden_size]  # [sum keep, H]
         logits = self.lm_head(flat).float() if flat.shape[0] else flat.new_zeros(0, self.vocab_size)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        rows: list[torch.Tensor] | None = None
+        hidden_rows: list[torch.Tensor] | None = None
         if hidden_to_keep is not None:
-            rows = [
-                hidden[b, n - h : n] for b, (n, h) in enumerate(zip(lengths, hidden_to_keep, strict=True))
-            ]
+            hidden_rows = [hidden[end - h : end] for end, h in zip(ends, hidden_to_keep, strict=True)]
         elif return_hidden:
-            rows = kept
-        return BatchOutput(logits=list(logits.split([h.shape[0] for h in kept])), hidden=rows)
+            hidden_rows = kept
+        return BatchOutput(logits=list(logits.split([h.shape[0] for h in kept])), hidden=hidden_rows)
 
     def check_feature_layers(self, layers: Sequence[int]) -> tuple[int, ...]:
         """``layers`` as a tuple, refused unless each names one of this model's decoder layers."""

@@ -11,7 +11,7 @@ batch cache is ever built or copied when sequences join or leave.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -99,13 +99,17 @@ class RowBatch:
     """One forward over several sequences: row ``b`` appends ``lengths[b]`` tokens to ``caches[b]``.
 
     Passed to the decoder as its cache (layers call :meth:`update`) and to the attention as the
-    ``verispec_rows`` keyword. Rows are right-padded to a common width; padded positions are
-    written past the row's length and never become part of the sequence.
+    ``verispec_rows`` keyword. The rows are packed: their tokens lie side by side in one sequence of
+    the forward (``[1, sum(lengths)]``), row ``b``'s at :meth:`span`, so the Linears, which do
+    nearly all of a CPU forward's arithmetic, run on real tokens only. Padded to a common width, a
+    batch of a 5-token verify row and seven 1-token decode rows ran 40 token rows for 12, and a
+    prompt's last chunk could not ride in a decode forward beside other sequences at all. Only the
+    attention and the cache writes tell the rows apart, and both go row by row.
     """
 
     caches: Sequence[KVBuffer]
     starts: list[int]  # cache length of each row before this forward
-    lengths: list[int]  # real (unpadded) new tokens of each row
+    lengths: list[int]  # new tokens of each row
     tree_masks: Sequence[torch.Tensor | None] | None = None
     """Per row, ``[n, n]`` bool over the row's new tokens (True = may attend), for token trees;
     None attends causally. Every new token always sees the whole cached prefix."""
@@ -114,13 +118,31 @@ class RowBatch:
     on CPU); False keeps the Python loop over positions (the reference the tests compare to). The
     model's choice (:class:`~verispec.models.hf.HFCausalLM`'s ``native_attention``), carried here
     because the attention sees the rows, not the model."""
+    offsets: list[int] = field(init=False)
+    """Where each row starts in the packed sequence, and its end last."""
+
+    def __post_init__(self) -> None:
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+
+    @property
+    def tokens(self) -> int:
+        """New tokens of all rows together: the packed sequence's length."""
+        return self.offsets[-1]
+
+    def span(self, row: int) -> slice:
+        """Where row ``row``'s new tokens lie in the packed sequence."""
+        return slice(self.offsets[row], self.offsets[row + 1])
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: object = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' cache hook: store row b's new keys/values ([B, Hkv, S, D]) in its buffer."""
+        """transformers' cache hook: store each row's new keys/values (of the packed
+        ``[1, Hkv, tokens, D]``) in its own buffer."""
         for b, cache in enumerate(self.caches):
-            cache.write(layer_idx, self.starts[b], key[b], value[b])
+            span = self.span(b)
+            cache.write(layer_idx, self.starts[b], key[0, :, span], value[0, :, span])
         return key, value
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
