@@ -226,17 +226,18 @@ def test_proposer_state_stays_fresh_while_speculation_is_paused(tiny_target, tin
 @pytest.mark.parametrize("places", [None, 3])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_burst_of_prompts_is_prefilled_one_a_step_on_cpu_or_together_when_asked(
-    tiny_target, places, temperature
+    int8_pair, places, temperature
 ):
     """Three prompts added at once: by default (CPU) each takes a step's prefill of its own, so the
     first gets its first token a step before the second, and not after all three prompts' work;
     with ``prefill_sequences=3`` one forward prefills them all and their first tokens come together.
-    Either way each gets the tokens (and draws) it gets alone."""
+    Either way each gets the tokens (and draws) it gets alone (int8: the same bits in any batch)."""
+    target = int8_pair[0]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[5]]
     options = {"max_new_tokens": 6, "temperature": temperature, "seed": 3}
-    want = [engine_for(tiny_target, None, None).generate(p, **options).token_ids for p in prompts]
+    want = [engine_for(target, None, None).generate(p, **options).token_ids for p in prompts]
     scheduler = SchedulerConfig(max_batch_size=3, prefix_cache_gb=0.0, prefill_sequences=places)
-    engine = SpecEngine(tiny_target, None, SpecConfig(method=None), scheduler=scheduler)
+    engine = SpecEngine(target, None, SpecConfig(method=None), scheduler=scheduler)
     requests = [engine.make_request(p, **options) for p in prompts]
     for request in requests:
         engine.add(request)
