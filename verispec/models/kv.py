@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -122,14 +123,7 @@ class RowBatch:
     """Where each row starts in the packed sequence, and its end last."""
 
     def __post_init__(self) -> None:
-        self.offsets = [0]
-        for n in self.lengths:
-            self.offsets.append(self.offsets[-1] + n)
-
-    @property
-    def tokens(self) -> int:
-        """New tokens of all rows together: the packed sequence's length."""
-        return self.offsets[-1]
+        self.offsets = [0, *accumulate(self.lengths)]
 
     def span(self, row: int) -> slice:
         """Where row ``row``'s new tokens lie in the packed sequence."""
