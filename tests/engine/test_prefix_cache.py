@@ -3,18 +3,24 @@ exact (the same output, log-probabilities and random draws as recomputing the pr
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from tests.conftest import needs_smollm2, perturbed, tiny_llama
+from tests.training.tiny import trained
 from verispec.config import NgramConfig, SchedulerConfig, SpecConfig
 from verispec.engine import SpecEngine
 from verispec.engine.prefix_cache import BLOCK, CANDIDATES, DRAFT, PrefixCache
+from verispec.heads.eagle import EagleDrafter
+from verispec.heads.vocab import VocabHead
 from verispec.models.base import BatchOutput
 from verispec.models.hf import HFCausalLM
 from verispec.models.kv import KVBuffer
 from verispec.models.quant import quantize_model
 from verispec.proposers import build_proposer
+from verispec.proposers.eagle import EagleProposer
 
 LAYERS, HKV, DIM = 3, 2, 4
 
@@ -255,6 +261,47 @@ def test_a_draft_model_takes_its_own_keys_and_values_from_the_cache_and_drafts_t
     # token a turn (a fully accepted draft's last token is never fed to the draft)
     reused, skipped = sum(g.stats.cached_prompt_tokens for g in cached), fed.tokens - cached_fed
     assert 0 < reused - (len(cached) - 1) <= skipped <= reused
+
+
+class CountingPairs:
+    """Counts the true pairs an EAGLE drafter is fed (wraps its ``step``; catch-up rows only)."""
+
+    def __init__(self, drafter: EagleDrafter) -> None:
+        self.inner, self.pairs = drafter.step, 0
+
+    def __call__(self, embeds: torch.Tensor, features: torch.Tensor, groups: list) -> torch.Tensor:
+        self.pairs += sum(g.count for g in groups if g.catch_up)
+        return self.inner(embeds, features, groups)
+
+
+def test_eagle_takes_its_pairs_from_the_cache_and_drafts_the_same(int8_target):
+    """Beside the target's keys the cache keeps the EAGLE drafter's pairs (int8 drafter, C++
+    operations): a later turn feeds the drafter only its new positions, and drafts, accepts and
+    samples exactly what it did when the drafter caught up on the whole conversation."""
+    drafter, _, _ = trained(int8_target, "eagle")
+    spec = SpecConfig(method="eagle", num_speculative_tokens=4, depth="fixed")
+    embeddings = int8_target.model.get_input_embeddings()
+    runs = []
+    for gb in (1.0, 0.0):
+        head = VocabHead(int8_target, None)
+        proposer = EagleProposer(copy.deepcopy(drafter), head, embeddings, nodes=6, width=2, quantize="int8")
+        if not proposer.drafter.position_invariant:
+            pytest.skip("the C++ operations did not build here")
+        fed = CountingPairs(proposer.drafter)
+        proposer.drafter.step = fed  # type: ignore[method-assign]
+        scheduler = SchedulerConfig(prefix_cache_gb=gb, prefill_chunk=48)
+        eng = SpecEngine(int8_target, proposer, spec, scheduler=scheduler)
+        runs.append((conversation(eng, 3, temperature=1.0, seed=3), fed.pairs))
+    (cached, cached_pairs), (fresh, fresh_pairs) = runs
+    for a, b in zip(cached, fresh, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
+        assert (a.stats.num_drafted, a.stats.num_accepted) == (b.stats.num_drafted, b.stats.num_accepted)
+    assert sum(g.stats.num_accepted for g in cached) > 0
+    # a later turn skips the pairs of the positions it reused, but for the one whose next token is
+    # new and those the last step of the turn before had not fed yet (its verified rows: k + 1)
+    reused, skipped = sum(g.stats.cached_prompt_tokens for g in cached), fresh_pairs - cached_pairs
+    assert reused - (len(cached) - 1) * (spec.num_speculative_tokens + 2) <= skipped < reused
 
 
 def test_private_requests_and_other_scopes_reuse_nothing(int8_target):

@@ -13,6 +13,8 @@ from verispec.heads.eagle import DraftCache, DraftRows, EagleConfig, EagleDrafte
 from verispec.heads.medusa import MedusaConfig, MedusaHeads
 from verispec.heads.vocab import VocabHead, float_lm_head_weight
 from verispec.models import native
+from verispec.models.attention import NATIVE_SOURCE as ATTENTION_SOURCE
+from verispec.models.fused import fuse_projections
 from verispec.models.hf import HFCausalLM
 from verispec.models.lean import NATIVE_SOURCE
 from verispec.models.quant import quantize_int8_dynamic, quantize_model
@@ -136,6 +138,35 @@ def test_eagle_drafting_step_computes_what_forward_does(tiny_target, native_ops)
         full, _, _ = drafter(emb[:1], feat[:1], positions, torch.cat([causal[:5], mask]))
     torch.testing.assert_close(tree, full[0, 5:], rtol=tol, atol=tol)
     assert caches[0].length == 5  # the tree's keys stayed in scratch slots
+
+
+def test_catch_up_pairs_are_the_same_bits_however_the_passes_group_them(tiny_target):
+    """With quantized Linears and the C++ operations a true pair's key, value and output do not
+    depend on the pairs beside it in a catch-up pass (what lets the prefix cache hand one request's
+    pairs to another); a drafter with float Linears does not claim it."""
+    if native.load(NATIVE_SOURCE) is not None or native.load(ATTENTION_SOURCE) is not None:
+        pytest.skip("the C++ operations did not build here")
+    torch.manual_seed(0)
+    drafter = EagleDrafter(EagleConfig.for_target(tiny_target)).eval()
+    assert not drafter.position_invariant  # float products through BLAS
+    fuse_projections(quantize_model(drafter, "int8"))
+    assert drafter.position_invariant
+    emb, feat = torch.randn(23, 64), torch.randn(23, 64)
+
+    def catch_up(passes: list[int]) -> tuple[DraftCache, torch.Tensor]:
+        cache, outs, start = DraftCache(drafter.config, capacity=4), [], 0
+        for n in passes:
+            causal = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+            rows = DraftRows(cache, start, torch.arange(start, start + n), causal, catch_up=True)
+            outs.append(drafter.step(emb[start : start + n], feat[start : start + n], [rows]))
+            cache.commit(n)
+            start += n
+        return cache, torch.cat(outs)
+
+    whole, whole_out = catch_up([23])
+    parts, parts_out = catch_up([1, 4, 2, 5, 3, 1, 7])
+    assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
+    assert torch.equal(whole_out, parts_out)
 
 
 def test_a_failed_layer_ops_build_warns_and_drafts_with_torch_s_operations(tiny_target, monkeypatch):

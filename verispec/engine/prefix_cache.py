@@ -16,10 +16,11 @@ very bits the new sequence would have computed, whether an earlier prefill or an
 step wrote it: output and log-probabilities are identical with and without the cache. Other paths
 (float weights through BLAS, int4's many-row prompt kernel, CUDA) keep no prefix cache. What a
 proposer keeps is reused or rebuilt from the same material: the target's hidden rows are stored
-beside the keys where the engine hands hidden states to a proposer (EAGLE, Medusa) or a tap; a draft
-model's own keys and values are blocks of their own (:data:`DRAFT`), under the same keys and budget,
-where the draft is exact to reuse too (:meth:`~verispec.proposers.base.Proposer.prefix_kv`), and
-otherwise it is fed the reused tokens as its prefill would have fed them.
+beside the keys where the engine hands hidden states to a proposer (EAGLE, Medusa) or a tap; a
+proposer's own keys and values (a draft model's, an EAGLE drafter's pairs) are blocks of their own
+(:data:`DRAFT`), under the same keys and budget, where they are exact to reuse too
+(:meth:`~verispec.proposers.base.Proposer.prefix_kv`), and otherwise the proposer is fed the reused
+tokens or hidden rows as its prefill would have fed them.
 
 **Keys.** A block is found by a hash chained over the scope and every token up to its end
 (``h_i = H(h_{i-1}, tokens of block i)``, ``h_{-1} = H(scope)``), as vLLM's automatic prefix
@@ -60,7 +61,8 @@ ones does it replace): bounds a lookup's and a store's cost under a parent with 
 
 TARGET, DRAFT = "", "draft"
 """Whose positions a block holds (the ``part`` of :meth:`PrefixCache.reuse` and :meth:`PrefixCache.keep`):
-the target's, or a draft model's. The part enters the first hash of the chain, so the two never mix."""
+the target's, or the proposer's own (a draft model's, an EAGLE drafter's pairs). The part enters the
+first hash of the chain, so the two never mix."""
 
 
 @dataclass(eq=False)
@@ -163,11 +165,11 @@ class PrefixCache:
         only positions the cache holds are kept). ``hidden``: their hidden rows, one per cached
         position, or None where the engine keeps none. A partial block that a new block extends
         is dropped: the longer one serves every prompt the shorter did."""
-        if not self.budget_bytes:
-            return 0
         held = min(cache.length, len(token_ids))
         if hidden is not None:
             held = min(held, hidden.shape[0])
+        if not self.budget_bytes or held <= 0:
+            return 0
         root = _root(scope, part)
         chain = _chain(root, token_ids, held // BLOCK)
         tail = tuple(token_ids[len(chain) * BLOCK : held])

@@ -172,8 +172,9 @@ class Step:
     def _reuse(self, seqs: list[SeqState]) -> list[RequestOutput]:
         """Before a sequence's first chunk: take the longest prefix of its prompt that the prefix
         cache holds for its scope, and give the proposer and the tap what the prefill of those
-        tokens would have given them (their hidden rows; a draft model its own cached positions
-        where the cache holds them, and is fed the rest of the tokens)."""
+        tokens would have given them (their hidden rows, then the proposer's own cached positions
+        where the cache holds them: a draft model's, fed the rest of the tokens, or an EAGLE
+        drafter's pairs)."""
         (seq,) = seqs
         seq.reuse_checked = True
         prefix, scope = self.scheduler.prefix, seq.request.cache_scope

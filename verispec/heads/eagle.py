@@ -18,6 +18,13 @@ keys a depth-d draft node sees at inference (:func:`unrolled_masks`).
 The layer is a Llama/Qwen decoder layer (RMSNorm, rotary attention with grouped KV heads, SwiGLU)
 with the target's sizes by default; ``intermediate_size`` may be smaller to keep a 1.5B target's
 drafter small. Its KV cache (:class:`DraftCache`) holds the true-feature pairs of one sequence.
+
+With quantized Linears and the C++ operations (how it runs beside a GGUF or int8 target on CPU), a
+true pair's key, value and output are the same bits however the catch-up passes grouped the pairs
+(:attr:`EagleDrafter.position_invariant`): the Linears and norms work row by row, and a catch-up's
+attention runs position by position (verispec's row-wise kernel, as the target's). So a
+later request that starts the same way can take a sequence's pairs from the prefix cache instead of
+feeding the drafter its whole conversation again (:mod:`verispec.engine.prefix_cache`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verispec.models import native
+from verispec.models.attention import NATIVE_SOURCE as ATTENTION_SOURCE
 from verispec.models.base import head_dim_of
 from verispec.models.fused import FusedLinear
 from verispec.models.lean import NATIVE_SOURCE
@@ -149,6 +157,11 @@ class DraftCache:
         self._keys[:, slot:end] = keys
         self._values[:, slot:end] = values
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers ``[kv_heads, capacity, head_dim]`` (slots past the
+        committed and scratch ones are junk), where a row-wise attention reads them in place."""
+        return self._keys, self._values
+
     def visible(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots ``0 .. end - 1`` (committed and scratch), as views."""
         return self._keys[:, :end], self._values[:, :end]
@@ -173,6 +186,10 @@ class DraftRows:
     slot: int
     positions: torch.Tensor
     mask: torch.Tensor
+    catch_up: bool = False
+    """True pairs in order after the committed ones, each seeing those and the rows before it (the
+    mask is causal): attended position by position where the row-wise kernel runs, so their keys and
+    values do not depend on how the pairs were split into passes."""
 
     @property
     def count(self) -> int:
@@ -211,6 +228,20 @@ class EagleDrafter(nn.Module):
         self.layers = nn.ModuleList([_Layer(config)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self._heads, self._kv, self._d = config.num_attention_heads, config.num_key_value_heads, d
+
+    @property
+    def position_invariant(self) -> bool:
+        """Whether a catch-up pass gives every true pair the same bits however the pairs are
+        grouped into passes: on CPU with the C++ operations and the row-wise attention, and every
+        Linear quantized (verispec's int4 and int8 kernels compute each row on its own; float
+        products through BLAS may sum a row differently beside other rows)."""
+        if not self.native_ops or self.norm.weight.device.type != "cpu":
+            return False
+        if any(type(module) is nn.Linear for module in self.modules()):
+            return False
+        return native.ready(NATIVE_SOURCE, "EAGLE drafting keeps torch's operations") and native.ready(
+            ATTENTION_SOURCE, "EAGLE catch-up passes attend with SDPA"
+        )
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """A true pair's feature ``[..., H]`` from the target's hidden row ``[..., (1 + F) H]``: the
@@ -286,7 +317,10 @@ class EagleDrafter(nn.Module):
         else:
             heads = qkv.view(qkv.shape[0], -1, cfg.head_dim)
             heads[:, :rotated] = _apply_rotary(heads[:, :rotated], cos[:, None], sin[:, None])
-        x, h = _add_norm(x, attn.o_proj(self._attend(qkv, groups)), layer.post_attention_layernorm, ops)
+        rowwise = ops is not None and native.ready(ATTENTION_SOURCE, "EAGLE catch-up passes attend with SDPA")
+        x, h = _add_norm(
+            x, attn.o_proj(self._attend(qkv, groups, rowwise)), layer.post_attention_layernorm, ops
+        )
         gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
         product = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
         return _add_norm(x, mlp.down_proj(product), self.norm, ops)[1]
@@ -304,10 +338,11 @@ class EagleDrafter(nn.Module):
             self._rope_table = table
         return table[0][positions], table[1][positions]
 
-    def _attend(self, qkv: torch.Tensor, groups: Sequence[DraftRows]) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, groups: Sequence[DraftRows], rowwise: bool) -> torch.Tensor:
         """Attention of each group over its cache, ``[N, heads * head_dim]``. The query heads that
         share a key/value head are stacked as extra query rows of that head, so one SDPA call per
-        sequence reads the cache where it lies."""
+        sequence reads the cache where it lies. With ``rowwise``, a catch-up group goes through
+        verispec's row-wise kernel instead (each position over exactly its causal prefix)."""
         cfg = self.config
         heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         shared = heads // kv
@@ -319,6 +354,13 @@ class EagleDrafter(nn.Module):
             row += n
             new_keys, new_values = rows[:, heads : heads + kv], rows[:, heads + kv :]
             g.cache.write(g.slot, new_keys.transpose(0, 1), new_values.transpose(0, 1))
+            if rowwise and g.catch_up:
+                keys, values = g.cache.buffers()
+                out = torch.ops.verispec_attention.rowwise_attention(
+                    rows[:, :heads].transpose(0, 1), keys, values, g.slot, 0, None, d**-0.5
+                )  # [n, heads, d]
+                outs.append(out.reshape(n, heads * d))
+                continue
             keys, values = g.cache.visible(g.slot + n)
             query = rows[:, :heads].transpose(0, 1).reshape(kv, shared * n, d)
             out = F.scaled_dot_product_attention(

@@ -118,10 +118,12 @@ class Proposer(ABC):
 
     def prefix_kv(self, state: Any) -> KVBuffer | None:
         """The proposer's own keys and values of the sequence's committed tokens (a draft model's
-        cache), where the prefix cache may store them and hand them to a later request that starts
-        the same way, exactly: only where a position's keys and values are the same bits however the
-        forwards that computed it were grouped. None (the default): nothing of the kind, and a reused
-        prefix's tokens are fed through :meth:`prefill_tokens` instead."""
+        cache, an EAGLE drafter's pairs), where the prefix cache may store them and hand them to a
+        later request that starts the same way, exactly: only where a position's keys and values are
+        the same bits however the forwards that computed it were grouped. The engine fills it after
+        handing a proposer that :attr:`needs_hidden` the reused positions' rows (:meth:`prefill`).
+        None (the default): nothing of the kind, and a reused prefix's tokens are fed through
+        :meth:`prefill_tokens` (its hidden rows through :meth:`prefill`) instead."""
         return None
 
     def release(self, state: Any) -> None:  # noqa: B027 - optional hook, nothing to free by default

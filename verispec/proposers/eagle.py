@@ -33,6 +33,12 @@ step's true pairs overwrite, so nothing has to be rolled back after verification
 of what was accepted come in with the next update.
 Candidates are the draft's top tokens (deterministic), so sampling verification stays exact.
 
+Where the drafter's pairs are the same bits however they were grouped
+(:attr:`~verispec.heads.eagle.EagleDrafter.position_invariant`), the prefix cache keeps them beside the
+target's keys and values (:meth:`EagleProposer.prefix_kv`): a chat's next turn or an agent's next
+call then feeds the drafter only its new positions, not the whole conversation again (a 700-token
+tool-calling transcript cost ~0.3 s of catch-up per call on a 2-core CPU, a sixth of the call).
+
 With a request's penalties or grammar (:meth:`~verispec.proposers.heads_base.HeadsProposer.constrain`),
 each expanded node's draft logits are adjusted for its own context (the committed tokens plus its
 path) before its children are chosen: the same rows the verification will judge, so under a JSON
@@ -53,6 +59,7 @@ import torch
 from verispec.heads.eagle import DraftCache, DraftRows, EagleDrafter
 from verispec.heads.trees import best_subtree
 from verispec.heads.vocab import VocabHead
+from verispec.models.kv import KVBuffer
 from verispec.proposers.base import Proposer, register
 from verispec.proposers.heads_base import HeadsProposer, HeadsQuantization, log_probs
 from verispec.types import Draft
@@ -120,6 +127,13 @@ class EagleProposer(HeadsProposer):
         hidden: torch.Tensor | None = None,
     ) -> None:
         state.pending.append(self.require_hidden(hidden, self.name).detach().float().clone())
+
+    def prefix_kv(self, state: EagleState) -> KVBuffer | None:
+        """The sequence's true pairs, for the prefix cache, where they are exact to reuse
+        (:attr:`~verispec.heads.eagle.EagleDrafter.position_invariant`); see :class:`PairSlots`."""
+        if not getattr(self.drafter, "position_invariant", False):
+            return None
+        return PairSlots(state)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """The drafter's true features from the engine's hidden rows ``[n, (1 + F) H]``."""
@@ -245,7 +259,8 @@ class EagleProposer(HeadsProposer):
             ids += seq_ids[start + 1 : start + n + 1]
             features.append(new)
             causal = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
-            groups.append(DraftRows(state.cache, start, torch.arange(start, start + n), causal))
+            positions = torch.arange(start, start + n)
+            groups.append(DraftRows(state.cache, start, positions, causal, catch_up=True))
         if not todo:
             return
         out = self.drafter.step(self._embed(ids), self._features(torch.cat(features)), groups)
@@ -255,6 +270,45 @@ class EagleProposer(HeadsProposer):
             state.fed += n
             row += n
             state.last_out = out[row - 1].clone()
+
+
+class PairSlots(KVBuffer):
+    """A sequence's true pairs as the prefix cache stores and reuses positions: slot s holds pair
+    s - 1, slot 0 nothing.
+
+    The prefix cache hands a position to a prompt that shares the tokens up to it. Pair j (feature
+    h_j with token j+1) also depends on token j+1, so it sits at slot j+1, with the tokens that
+    decide it: a prompt sharing n tokens with a stored sequence takes its first n - 1 pairs, never
+    one whose next token differs. Filling this buffer (:meth:`advance` after the cache wrote its
+    slots) moves the pairs into the sequence's drafter cache and drops their hidden rows, which the
+    engine hands over first, from the features still to feed.
+    """
+
+    def __init__(self, state: EagleState) -> None:
+        super().__init__()
+        self.state = state
+        if state.fed:
+            keys, values = state.cache.keys, state.cache.values  # [kv, fed, d]
+            blank = keys.new_zeros(keys.shape[0], 1, keys.shape[2])
+            self.write(0, 0, torch.cat([blank, keys], dim=1), torch.cat([blank, values], dim=1))
+            super().advance(state.fed + 1)
+
+    def advance(self, n: int) -> None:
+        super().advance(n)
+        pairs = self.length - 1
+        if pairs <= 0:
+            return
+        state = self.state
+        waiting = torch.cat(state.pending) if state.pending else None
+        if state.fed or waiting is None or waiting.shape[0] <= pairs:
+            raise RuntimeError(
+                "eagle proposer: reused pairs need an empty drafter cache and the reused positions' "
+                "hidden rows first"
+            )
+        state.cache.write(0, self.keys[0][:, 1 : pairs + 1], self.values[0][:, 1 : pairs + 1])
+        state.cache.commit(pairs)
+        state.fed = pairs
+        state.pending = [waiting[pairs:]]
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from verispec.heads.trees import best_subtree
+from verispec.models.kv import KVBuffer
 from verispec.policy import AcceptanceEstimate, AcceptancePrior
 from verispec.proposers.base import BatchProposer, Proposer, ProposerFactory, register
 from verispec.proposers.eagle import EagleProposer
@@ -90,6 +91,9 @@ class HeadsPlus(BatchProposer):
 
     def prefill(self, state: PairState, hidden: torch.Tensor) -> None:
         self.heads.prefill(state.heads, hidden)
+
+    def prefix_kv(self, state: PairState) -> KVBuffer | None:
+        return self.heads.prefix_kv(state.heads)
 
     def update(
         self,
