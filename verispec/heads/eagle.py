@@ -235,13 +235,9 @@ class EagleDrafter(nn.Module):
         grouped into passes: on CPU with the C++ operations and the row-wise attention, and every
         Linear quantized (verispec's int4 and int8 kernels compute each row on its own; float
         products through BLAS may sum a row differently beside other rows)."""
-        if not self.native_ops or self.norm.weight.device.type != "cpu":
+        if not self.native_ops or not _native_ready(self.norm.weight):
             return False
-        if any(type(module) is nn.Linear for module in self.modules()):
-            return False
-        return native.ready(NATIVE_SOURCE, "EAGLE drafting keeps torch's operations") and native.ready(
-            ATTENTION_SOURCE, "EAGLE catch-up passes attend with SDPA"
-        )
+        return not any(type(module) is nn.Linear for module in self.modules()) and _rowwise_ready()
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """A true pair's feature ``[..., H]`` from the target's hidden row ``[..., (1 + F) H]``: the
@@ -317,7 +313,7 @@ class EagleDrafter(nn.Module):
         else:
             heads = qkv.view(qkv.shape[0], -1, cfg.head_dim)
             heads[:, :rotated] = _apply_rotary(heads[:, :rotated], cos[:, None], sin[:, None])
-        rowwise = ops is not None and native.ready(ATTENTION_SOURCE, "EAGLE catch-up passes attend with SDPA")
+        rowwise = ops is not None and any(g.catch_up for g in groups) and _rowwise_ready()
         x, h = _add_norm(
             x, attn.o_proj(self._attend(qkv, groups, rowwise)), layer.post_attention_layernorm, ops
         )
@@ -446,6 +442,11 @@ def _native_ready(x: torch.Tensor) -> bool:
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return False
     return native.ready(NATIVE_SOURCE, "EAGLE drafting keeps torch's operations")
+
+
+def _rowwise_ready() -> bool:
+    """Whether catch-up passes can attend through verispec's row-wise kernel (built)."""
+    return native.ready(ATTENTION_SOURCE, "EAGLE catch-up passes attend with SDPA")
 
 
 def _norm(norm: RMSNorm, x: torch.Tensor, ops: Any) -> torch.Tensor:

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from verispec.heads.trees import best_subtree
-from verispec.models.kv import KVBuffer
 from verispec.policy import AcceptanceEstimate, AcceptancePrior
 from verispec.proposers.base import BatchProposer, Proposer, ProposerFactory, register
 from verispec.proposers.eagle import EagleProposer
@@ -48,6 +47,7 @@ from verispec.types import Draft
 if TYPE_CHECKING:
     from verispec.config import SamplingConfig, SpecConfig
     from verispec.models.base import CausalLM
+    from verispec.models.kv import KVBuffer
     from verispec.penalties import RequestRules
 
 
