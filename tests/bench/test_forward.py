@@ -33,8 +33,8 @@ def test_curve_has_a_median_per_k_and_every_repeat_sees_the_same_cache():
     for point in curve.points:
         assert len(point.ms) == 3 and all(ms > 0 for ms in point.ms)
         assert min(point.ms) <= point.median_ms <= max(point.ms)
-    # Prefill once, then for each k: one warm-up and 3 timed forwards, each on a 16-token cache.
-    assert model.seen == [(0, 16)] + [(16, k) for k in (1, 2, 4) for _ in range(4)]
+    # Prefill once, one warm-up per k, then 3 rounds of one timed forward per k, each on a 16-token cache.
+    assert model.seen == [(0, 16)] + [(16, k) for _ in range(4) for k in (1, 2, 4)]
     table = curve_table([curve])
     assert "k=4" in table and "target: tiny" in table
 

@@ -5,9 +5,11 @@ memory-bound machine it nearly does, on a compute-bound one it costs k times as 
 measured on the user's own hardware, is what says which case holds (and what a later
 ``verispec plan`` combines with measured acceptance to pick a method and k).
 
-Each measurement: a cache pre-filled with ``context`` tokens, one untimed forward of k tokens to
-warm that shape up, then ``repeats`` timed forwards, each rolled back with ``cache.trim(k)`` so every
-repeat sees the same cache length. The median is reported (robust to a noisy, shared machine).
+Each measurement: a cache pre-filled with ``context`` tokens, one untimed forward of each k to warm
+that shape up, then ``repeats`` rounds that time one forward of every k in turn, each rolled back
+with ``cache.trim(k)`` so every repeat sees the same cache length. The median per k is reported
+(robust to a noisy, shared machine); taking the ks in rounds rather than one after another keeps a
+virtual machine's speed, which can drift by 20% within a minute, out of the ratios between them.
 Token ids are a fixed pseudo-random sequence: a forward's cost does not depend on which tokens.
 """
 
@@ -62,20 +64,19 @@ def measure_curve(
     )  # [1, context + k_max]
     cache = model.new_cache()
     model.forward(ids[:, :context], cache)  # prefill, untimed
-    points = []
-    for k in ks:
-        new = ids[:, context : context + k]  # [1, k]
-        model.forward(new, cache, logits_to_keep=k)  # warm-up for this shape
+    for k in ks:  # warm-up of each shape
+        model.forward(ids[:, context : context + k], cache, logits_to_keep=k)
         cache.trim(k)
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(repeats):  # rounds over every k: a drift in the machine's speed hits them alike
+        for k in ks:
             _synchronize(model.device)
             started = time.perf_counter()
-            model.forward(new, cache, logits_to_keep=k)
+            model.forward(ids[:, context : context + k], cache, logits_to_keep=k)
             _synchronize(model.device)  # a GPU returns before the kernels finish
-            times.append((time.perf_counter() - started) * 1000)
+            times[k].append((time.perf_counter() - started) * 1000)
             cache.trim(k)
-        points.append(CostPoint(k=k, median_ms=median(times), ms=times))
+    points = [CostPoint(k=k, median_ms=median(times[k]), ms=times[k]) for k in ks]
     return CostCurve(role=role, model=model.name, context=context, points=points)
 
 

@@ -11,9 +11,10 @@ file gets the fields of :class:`verispec.bench.model_load.SideResult` that a wor
 parent writes to a log.
 
 The cost of appending k tokens is timed the way :func:`verispec.bench.forward.measure_curve` times
-it: the context evaluated once, then for each k one untimed ``eval`` of k tokens and ``repeats``
-timed ones, each starting from the same ``context``-token cache. Setting ``Llama.n_tokens`` back to
-the context is the rollback: ``eval`` first removes every cache cell from ``n_tokens`` on.
+it: the context evaluated once, one untimed ``eval`` of each k, then ``repeats`` rounds that time
+one ``eval`` of every k in turn, each starting from the same ``context``-token cache. Setting
+``Llama.n_tokens`` back to the context is the rollback: ``eval`` first removes every cache cell
+from ``n_tokens`` on.
 The model is asked for logits at every position (``logits_all``), as a speculative check of k
 tokens needs them; a llama-cpp-python too new or old to take that flag computes only the last row,
 and the result says so.
@@ -143,18 +144,17 @@ def measure(settings: dict[str, Any]) -> dict[str, Any]:
     # Without logits_all, newer versions leave ``scores`` unwritten: nothing to check then.
     finite = all(math.isfinite(float(x)) for x in llm.scores[llm.n_tokens - 1]) if all_logits else None
 
-    points = []
-    for k in ks:
-        new = ids[context : context + k]
+    for k in ks:  # warm-up of each shape
         llm.n_tokens = context
-        llm.eval(new)  # warm-up for this shape
-        times = []
-        for _ in range(repeats):
+        llm.eval(ids[context : context + k])
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(repeats):  # rounds over every k, as measure_curve takes them
+        for k in ks:
             llm.n_tokens = context  # eval removes the cache cells from here on: the same context each time
             began = time.perf_counter()
-            llm.eval(new)
-            times.append((time.perf_counter() - began) * 1000)
-        points.append({"k": k, "median_ms": statistics.median(times), "ms": times})
+            llm.eval(ids[context : context + k])
+            times[k].append((time.perf_counter() - began) * 1000)
+    points = [{"k": k, "median_ms": statistics.median(times[k]), "ms": times[k]} for k in ks]
     return {
         **loaded,
         "first_forward_seconds": first_forward,
