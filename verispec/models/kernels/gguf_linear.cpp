@@ -83,8 +83,9 @@ constexpr int64_t kRowBlock = 8;
 // pass spends ~30 cycles on a Q4_K group's 256 bytes, so 1 KB ahead asked for lines ~130 cycles
 // before use, well short of a trip to memory, and the products waited on it: on a Zen 5 (2 cores),
 // one core's 8-row Q4_K products from memory went 208 -> 338 G multiply-adds/s at 8 KB (335 at 16 KB;
-// 356 with the weights in cache) and 1-row ones 68 -> 84 G/s; whole decoder products of the 1.5B,
-// 2 threads, 8 rows 26.4 -> 20.6 ms. On a Zen 4, 1-4 KB made no difference beyond noise.
+// 356 with the weights in cache) and 1-row ones 68 -> 84 G/s; all decoder products of the 1.5B on
+// 2 threads, 8 rows, 26.6-29.5 -> 21.3-23.2 ms (alternated runs). On a Zen 4, 1-4 KB made no
+// difference beyond noise.
 constexpr int64_t kPrefetch = 8192;
 
 // Formats, as gguf_linear.py numbers them.
