@@ -195,9 +195,10 @@ def dequantize_factors(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarra
 
 
 def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """:func:`unpack_blocks`'s parts -> the kernel's arrays (``codes``, ``planes``: the high bits of
-    5- and 6-bit codes, ``fscales``, ``iscales``), output channels padded with zero channels to whole
-    tiles of :data:`TILE`; the layout is described in ``kernels/gguf_linear.cpp``."""
+    """:func:`unpack_blocks`'s parts -> the kernel's arrays (``codes``, with the high bits of 5- and
+    6-bit codes after each group's nibbles, ``fscales``, ``iscales``), output channels padded with
+    zero channels to whole tiles of :data:`TILE`; the layout is described in
+    ``kernels/gguf_linear.cpp``."""
     _, group, _, planes, whole_bytes, kq = _FORMATS[_FORMAT_OF[qtype]]
     rows, k = codes.shape
     tiles = -(-rows // TILE)
@@ -209,11 +210,12 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
     else:  # byte 4c + j of vector t: input 8t + j (low nibble), 8t + 4 + j (high)
         low = (c & 0x0F).view(tiles, TILE, k // group, group // 8, 2, 4)
         packed = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
-    high_bits = torch.empty(0, dtype=torch.uint8)
-    if planes:  # byte 4c + j of a group's vector: the high bits of input 4v + j at bits planes * v
+    packed = packed.reshape(tiles, k // group, -1)
+    if planes:  # after a group's nibbles, byte 4c + j: the high bits of input 4v + j at bits planes * v
         h = (c >> 4).to(torch.int32).view(tiles, TILE, k // group, group // 4, 4)
         shifts = (planes * torch.arange(group // 4, dtype=torch.int32)).view(1, 1, 1, -1, 1)
-        high_bits = (h << shifts).sum(3).to(torch.uint8).permute(0, 2, 1, 3).reshape(tiles, -1).contiguous()
+        high_bits = (h << shifts).sum(3).to(torch.uint8).permute(0, 2, 1, 3).reshape(tiles, k // group, -1)
+        packed = torch.cat([packed, high_bits], dim=2)
 
     def per_tile(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:  # [rows, n] -> [tiles, n, 16]
         v = nn.functional.pad(torch.from_numpy(np.ascontiguousarray(values)), (0, 0, 0, pad))
@@ -236,7 +238,6 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
         fscales, iscales = torch.stack([s, o], 2), torch.empty(0, dtype=torch.int8)
     return {
         "codes": packed.reshape(tiles, -1).contiguous(),
-        "planes": high_bits,
         "fscales": fscales.reshape(tiles, -1).contiguous(),
         "iscales": iscales.reshape(tiles, -1).contiguous() if kq else iscales,
     }
@@ -263,7 +264,7 @@ def pack_blocks(
         if "float16 does not hold" in str(exc):
             raise VerispecError(f"a {qtype.name} tensor's scales do not fit float16 exactly") from None
         raise
-    return dict(zip(("codes", "planes", "fscales", "iscales"), packed, strict=True))
+    return dict(zip(("codes", "fscales", "iscales"), packed, strict=True))
 
 
 def pack_reference(qtype: Q, blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -289,11 +290,12 @@ def unpack(qtype: Q, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> 
         c = parts["codes"].view(tiles, k // group, group // 4, TILE, 4).permute(0, 3, 1, 2, 4)
         c = c.reshape(tiles, TILE, k // group, group).to(torch.int32)
     else:
-        b = parts["codes"].view(tiles, k // group, group // 8, TILE, 4)
+        record = parts["codes"].view(tiles, k // group, -1)  # a group's nibbles, then its high bits
+        b = record[..., : group * TILE // 2].reshape(tiles, k // group, group // 8, TILE, 4)
         c = torch.stack([b & 0x0F, b >> 4], dim=3).permute(0, 4, 1, 2, 3, 5)  # [t, ch, g, v, half, j]
         c = c.reshape(tiles, TILE, k // group, group).to(torch.int32)
         if planes:
-            h = parts["planes"].view(tiles, k // group, TILE, 1, 4).to(torch.int32)  # [t, g, ch, v, j]
+            h = record[..., group * TILE // 2 :].reshape(tiles, k // group, TILE, 1, 4).to(torch.int32)
             shifts = (planes * torch.arange(group // 4, dtype=torch.int32)).view(1, 1, 1, -1, 1)
             high = ((h >> shifts) & ((1 << planes) - 1)).permute(0, 2, 1, 3, 4).reshape(c.shape)
             c = c | (high << 4)
@@ -387,7 +389,7 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     def parts(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in ("codes", "planes", "fscales", "iscales")}
+        return {name: getattr(self, name) for name in ("codes", "fscales", "iscales")}
 
     def rows(self, ids: torch.Tensor) -> GGUFLinear:
         """A layer of the output channels ``ids`` only, their blocks as they are: its outputs equal
@@ -410,7 +412,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
         return torch.ops.verispec_gguf.gguf_linear(
-            x, self.codes, self.planes, self.fscales, self.iscales, self.bias, self.fmt, self.out_features
+            x, self.codes, self.fscales, self.iscales, self.bias, self.fmt, self.out_features
         )
 
     def extra_repr(self) -> str:

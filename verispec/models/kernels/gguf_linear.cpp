@@ -19,6 +19,10 @@
 // more 64-byte vector per group whose byte 4c + j holds the P high bits (P = 1 or 2) of the codes of
 // unpacked vector v = 0 .. G/4 - 1 (input 4v + j) at bits P v .. P v + P - 1: one shift, mask and or
 // per unpacked vector puts them in place (llama.cpp's Q6_K keeps its 2 high bits the same way).
+// That vector follows its group's nibbles, so a tile's codes are one stream: held in an array of
+// their own, the high bits were a second stream that the products waited on from memory (a Zen 5
+// core's 8-row Q6_K products ~150 G multiply-adds/s from memory against ~260 with the weights in
+// cache; ~230 with the high bits in line).
 // Q8_0's codes (q + 128) are whole bytes instead: G/4 vectors whose byte 4c + j is input 4v + j.
 // Q6_K's and Q3_K's offsets need no int8 of their own (mn = sc): their group scales hold sc only.
 // Q3_K's codes (q + 4, 0..7) are nibbles with no bit planes, in groups of 16 as Q6_K's.
@@ -110,9 +114,10 @@ Spec spec_of(int64_t fmt) {
   TORCH_CHECK(false, "gguf_linear: unknown format ", fmt);
 }
 
-// Bytes of codes, planes per tile and group.
+// Bytes per tile and group: of the low bits (or whole bytes), of the high bits, and both (the stride).
 inline int64_t code_bytes(const Spec& s) { return s.bytes ? kTile * s.group : kTile * s.group / 2; }
 inline int64_t plane_bytes(const Spec& s) { return s.planes ? 64 : 0; }
+inline int64_t group_bytes(const Spec& s) { return code_bytes(s) + plane_bytes(s); }
 
 // Quantized activations: q [M, K] int8, per row and unit the scale xs, per row and group the sum of
 // the codes (|sum| <= 32 x 127; the "k" tiles take it as it is, the float tiles times xs).
@@ -222,8 +227,7 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, const Spec& s) {
 
 // A packed weight's arrays and sizes.
 struct Weights {
-  const uint8_t* codes;
-  const uint8_t* planes;
+  const uint8_t* codes;    // [tiles, groups, code bytes + high-bit bytes]
   const uint16_t* kscale;  // "k": [tiles, units, 2, 16] (D, M) float16
   const int8_t* kint;      // "k": [tiles, groups, 2 or 1, 16] (sc, mn or sc alone)
   const uint16_t* lscale;  // legacy: [tiles, groups, 2, 16] (S, O) float16
@@ -237,14 +241,12 @@ struct KLayout {
   static constexpr int64_t kPerUnit = 256 / G;
   static constexpr int64_t kCodeBytes = kTile * G / 2;
   static constexpr int64_t kHighBytes = P ? 64 : 0;
+  static constexpr int64_t kGroupBytes = kCodeBytes + kHighBytes;  // a group's high bits follow its nibbles
   static constexpr int64_t kIScales = G == 16 ? 1 : 2;  // Q6_K, Q3_K: mn = sc
   const uint8_t* codes;
-  const uint8_t* highs;
   const int8_t* iscales;
   KLayout(const Weights& w, int64_t tile)
-      : codes(w.codes + tile * w.groups * kCodeBytes),
-        highs(w.planes + tile * w.groups * kHighBytes),
-        iscales(w.kint + tile * w.groups * kIScales * kTile) {}
+      : codes(w.codes + tile * w.groups * kGroupBytes), iscales(w.kint + tile * w.groups * kIScales * kTile) {}
 };
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
@@ -254,8 +256,7 @@ inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, 
 void tile_scalar(const Weights& w, const Spec& s, const Acts& a, const float* bias, float* y, int64_t tile,
                  int64_t m0, int64_t rows) {
   const int64_t per_unit = s.unit / s.group;
-  const uint8_t* codes = w.codes + tile * w.groups * code_bytes(s);
-  const uint8_t* planes = w.planes + tile * w.groups * plane_bytes(s);
+  const uint8_t* codes = w.codes + tile * w.groups * group_bytes(s);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t m = m0 + r;
     for (int64_t c = 0; c < kTile; ++c) {
@@ -275,8 +276,8 @@ void tile_scalar(const Weights& w, const Spec& s, const Acts& a, const float* bi
           S = half_to_float(so[c]);
           O = half_to_float(so[kTile + c]);
         }
-        const uint8_t* cg = codes + g * code_bytes(s);
-        const uint8_t* pg = planes + g * plane_bytes(s);
+        const uint8_t* cg = codes + g * group_bytes(s);
+        const uint8_t* pg = cg + code_bytes(s);
         const int8_t* ag = a.q.data() + m * w.K + g * s.group;
         int32_t dot = 0;
         for (int64_t i = 0; i < s.group; ++i) {
@@ -337,19 +338,17 @@ template <int64_t G, int64_t P, bool BYTES, int64_t ROWS>
 void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
   constexpr int64_t kVecs = G / 4;  // unpacked 64-byte weight vectors per group
   constexpr int64_t kCodeBytes = BYTES ? kTile * G : kTile * G / 2;
-  constexpr int64_t kHighBytes = P ? 64 : 0;
+  constexpr int64_t kGroupBytes = kCodeBytes + (P ? 64 : 0);
   const int64_t groups = w.groups, K = w.K;
-  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
-  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
+  const uint8_t* codes = w.codes + tile * groups * kGroupBytes;
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* arow[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* cg = codes + g * kCodeBytes;
-    for (int64_t line = 0; line < kCodeBytes; line += 64)
+    const uint8_t* cg = codes + g * kGroupBytes;
+    for (int64_t line = 0; line < kGroupBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetch + line), _MM_HINT_T0);
-    if constexpr (P > 0) _mm_prefetch(reinterpret_cast<const char*>(highs + g * 64 + kPrefetch), _MM_HINT_T0);
     const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile;
     const __m512 S = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so)));
     const __m512 O = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(so + kTile)));
@@ -357,7 +356,7 @@ void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, i
     if constexpr (BYTES) {
       for (int64_t v = 0; v < kVecs; ++v) wv[v] = _mm512_loadu_si512(cg + 64 * v);
     } else {
-      unpack_group<G, P>(cg, highs + g * kHighBytes, wv);
+      unpack_group<G, P>(cg, cg + kCodeBytes, wv);
     }
     __m512i d[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm512_setzero_si512();
@@ -405,13 +404,12 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
     for (int64_t r = 0; r < ROWS; ++r) isum[r] = osum[r] = _mm512_setzero_si512();
     for (int64_t j = 0; j < L::kPerUnit; ++j) {
       const int64_t g = u * L::kPerUnit + j;
-      const uint8_t* cg = at.codes + g * L::kCodeBytes;
-      for (int64_t line = 0; line < L::kCodeBytes; line += 64)
+      const uint8_t* cg = at.codes + g * L::kGroupBytes;
+      for (int64_t line = 0; line < L::kGroupBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetch + line), _MM_HINT_T0);
-      if constexpr (P > 0) _mm_prefetch(reinterpret_cast<const char*>(at.highs + g * 64 + kPrefetch), _MM_HINT_T0);
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.iscales + g * L::kIScales * kTile)));
       __m512i wv[L::kVecs];
-      unpack_group<G, P>(cg, at.highs + g * L::kHighBytes, wv);
+      unpack_group<G, P>(cg, cg + L::kCodeBytes, wv);
       __m512i d[ROWS];
       for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm512_setzero_si512();
       for (int64_t v = 0; v < L::kVecs; ++v)
@@ -421,16 +419,21 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
           d[r] = _mm512_dpbusd_epi32(d[r], wv[v], _mm512_set1_epi32(four));
         }
       for (int64_t r = 0; r < ROWS; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(d[r], sc));
-      if (j % 2 == 1) {  // the offset term of groups g - 1 and g
-        const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile;
-        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + L::kIScales * kTile)),
-                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-        const __m512i mnp = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(both));
-        for (int64_t r = 0; r < ROWS; ++r) {
-          int32_t two;
-          std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
-          osum[r] = _mm512_dpwssd_epi32(osum[r], mnp, _mm512_set1_epi32(two));
-        }
+    }
+    // The offset term, after the unit's products: with its sums live beside theirs (products, group
+    // sums, code vectors: 24 registers for 8 rows) GCC spilled in the product loop. Same integer sums,
+    // so the same bits; one core's 8-row Q4_K products on a Zen 5 ~300 -> ~330 G multiply-adds/s
+    // from memory (314 -> 348 in L2), 64 rows on 2 threads 600-607 -> 652-672.
+    for (int64_t j = 1; j < L::kPerUnit; j += 2) {  // groups g - 1 and g
+      const int64_t g = u * L::kPerUnit + j;
+      const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile;
+      const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + L::kIScales * kTile)),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+      const __m512i mnp = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(both));
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t two;
+        std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
+        osum[r] = _mm512_dpwssd_epi32(osum[r], mnp, _mm512_set1_epi32(two));
       }
     }
     const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
@@ -501,10 +504,9 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
   constexpr int64_t kRun = int16_run<P, BYTES, kVecs>();
   static_assert(kVecs % kRun == 0, "runs split a group evenly");
   constexpr int64_t kCodeBytes = BYTES ? kTile * G : kTile * G / 2;
-  constexpr int64_t kHighBytes = P ? 64 : 0;
+  constexpr int64_t kGroupBytes = kCodeBytes + (P ? 64 : 0);
   const int64_t groups = w.groups, K = w.K;
-  const uint8_t* codes = w.codes + tile * groups * kCodeBytes;
-  const uint8_t* highs = w.planes + tile * groups * kHighBytes;
+  const uint8_t* codes = w.codes + tile * groups * kGroupBytes;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* arow[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * K;
@@ -514,7 +516,8 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
     __m256 acc[ROWS];
     for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* cg = codes + g * kCodeBytes + 32 * h;
+      const uint8_t* group = codes + g * kGroupBytes;
+      const uint8_t* cg = group + 32 * h;
       const uint16_t* so = w.lscale + ((tile * groups + g) * 2) * kTile + 8 * h;
       const __m256 S = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so)));
       const __m256 O = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(so + kTile)));
@@ -527,7 +530,7 @@ void tile_avx2(const Weights& w, const Acts& a, const float* bias, float* y, int
           wv[v] = _mm256_abs_epi8(qv[v]);
         }
       } else {
-        unpack_vecs_avx2<G, P, 0, kVecs>(cg, P ? highs + g * 64 + 32 * h : nullptr, wv);
+        unpack_vecs_avx2<G, P, 0, kVecs>(cg, P ? group + kCodeBytes + 32 * h : nullptr, wv);
       }
 #pragma GCC unroll 1
       for (int64_t r = 0; r < ROWS; ++r) {
@@ -592,8 +595,8 @@ void tile_avx2_k(const Weights& w, const Acts& a, const float* bias, float* y, i
       for (int64_t r = 0; r < ROWS; ++r) isum[h][r] = osum[h][r] = _mm256_setzero_si256();
     for (int64_t j = 0; j < L::kPerUnit; ++j) {
       const int64_t g = u * L::kPerUnit + j;
-      const uint8_t* cg = at.codes + g * L::kCodeBytes;
-      const uint8_t* high = P ? at.highs + g * 64 : nullptr;
+      const uint8_t* cg = at.codes + g * L::kGroupBytes;
+      const uint8_t* high = P ? cg + L::kCodeBytes : nullptr;
       const int8_t* sc = at.iscales + g * L::kIScales * kTile;
       const __m256i sc0 = int16_pairs(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
       const __m256i sc1 =
@@ -699,18 +702,15 @@ void tile_rows(int64_t fmt, int64_t rows, const Weights& w, const Acts& a, const
 }
 #endif
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& planes,
-                       const at::Tensor& fscales, const at::Tensor& iscales, const std::optional<at::Tensor>& bias,
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& fscales, const at::Tensor& iscales, const std::optional<at::Tensor>& bias,
                        int64_t fmt, int64_t out_features) {
   const Spec s = spec_of(fmt);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32");
   const int64_t K = x.size(-1), N = out_features;
   TORCH_CHECK(K % s.unit == 0, "gguf_linear: ", K, " inputs is not a multiple of ", s.unit);
   const int64_t tiles = (N + kTile - 1) / kTile, groups = K / s.group, units = K / s.unit;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.numel() == tiles * groups * code_bytes(s),
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.numel() == tiles * groups * group_bytes(s),
               "gguf_linear: codes do not match ", N, " x ", K);
-  TORCH_CHECK(planes.scalar_type() == at::kByte && planes.numel() == tiles * groups * plane_bytes(s),
-              "gguf_linear: bit planes do not match");
   if (s.kq) {
     TORCH_CHECK(fscales.scalar_type() == at::kHalf && fscales.numel() == tiles * units * 2 * kTile,
                 "gguf_linear: bad super-block scales");
@@ -720,8 +720,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
     TORCH_CHECK(fscales.scalar_type() == at::kHalf && fscales.numel() == tiles * groups * 2 * kTile,
                 "gguf_linear: bad group scales");
   }
-  const at::Tensor cc = codes.contiguous(), pc = planes.contiguous(), fc = fscales.contiguous(),
-                   ic = iscales.contiguous();
+  const at::Tensor cc = codes.contiguous(), fc = fscales.contiguous(), ic = iscales.contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor xc = x.reshape({-1, K}).contiguous();
@@ -737,7 +736,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   }
   const Acts a = quantize_rows(xc.data_ptr<float>(), M, K, s);
   Weights w{cc.data_ptr<uint8_t>(),
-            pc.numel() ? pc.data_ptr<uint8_t>() : nullptr,
             s.kq ? reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()) : nullptr,
             s.kq ? ic.data_ptr<int8_t>() : nullptr,
             s.kq ? nullptr : reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()),
@@ -878,7 +876,7 @@ inline uint16_t to_half(float v, bool& exact) {
   return h.x;
 }
 
-// Blocks of ggml type `type` -> codes, planes, fscales, iscales as pack() lays them out. `members`
+// Blocks of ggml type `type` -> codes (the high bits in line), fscales, iscales as pack() lays them out. `members`
 // ([rows_i, row_bytes] each) are the rows of one layer one after another (q, k and v of a fused
 // product: packed into one layout at once, with no copy to concatenate); `order`, where given, says
 // which of those rows is each output channel (llama.cpp's q/k row permutation undone as transformers
@@ -914,12 +912,11 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
   const auto u8 = at::TensorOptions().dtype(at::kByte);
   // Left uninitialized: every byte of a whole tile is written below, and a last tile's padding is
   // zeroed there (one pass over the memory rather than two: the 8B's 4.9 GB are page faults first).
-  at::Tensor codes = at::empty({tiles, groups * code_bytes(s)}, u8);
-  at::Tensor planes = at::empty(s.planes ? at::IntArrayRef{tiles, groups * plane_bytes(s)} : at::IntArrayRef{0}, u8);
+  at::Tensor codes = at::empty({tiles, groups * group_bytes(s)}, u8);
   at::Tensor fscales = at::empty({tiles, nf * 2 * kTile}, at::TensorOptions().dtype(at::kHalf));
   const auto i8 = at::TensorOptions().dtype(at::kChar);
   at::Tensor iscales = at::empty(s.kq ? at::IntArrayRef{tiles, groups * s.iscales * kTile} : at::IntArrayRef{0}, i8);
-  uint8_t *cp = codes.data_ptr<uint8_t>(), *pp = s.planes ? planes.data_ptr<uint8_t>() : nullptr;
+  uint8_t* cp = codes.data_ptr<uint8_t>();
   uint16_t* fp = reinterpret_cast<uint16_t*>(fscales.data_ptr<at::Half>());
   int8_t* ip = s.kq ? iscales.data_ptr<int8_t>() : nullptr;
   std::atomic<bool> all_exact{true};
@@ -928,13 +925,11 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
               std::vector<int8_t>(groups)};
     bool exact = true;
     for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* tc = cp + t * groups * code_bytes(s);
-      uint8_t* tp = s.planes ? pp + t * groups * plane_bytes(s) : nullptr;
+      uint8_t* tc = cp + t * groups * group_bytes(s);
       uint16_t* tf = fp + t * nf * 2 * kTile;
       int8_t* ti = s.kq ? ip + t * groups * s.iscales * kTile : nullptr;
       if ((t + 1) * kTile > N) {  // the last tile, with padding channels: all zero first
-        std::memset(tc, 0, groups * code_bytes(s));
-        if (tp) std::memset(tp, 0, groups * plane_bytes(s));
+        std::memset(tc, 0, groups * group_bytes(s));
         std::memset(tf, 0, nf * 2 * kTile * sizeof(uint16_t));
         if (ti) std::memset(ti, 0, groups * s.iscales * kTile);
       }
@@ -942,7 +937,7 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
         decode_channel(type, rows[t * kTile + ch], K, c);
         for (int64_t g = 0; g < groups; ++g) {
           const uint8_t* q = c.codes.data() + g * s.group;
-          uint8_t* gc = tc + g * code_bytes(s);
+          uint8_t* gc = tc + g * group_bytes(s);
           if (s.bytes) {  // byte 4ch + j of vector v: input 4v + j
             for (int64_t v = 0; v < s.group / 4; ++v) std::memcpy(gc + v * 64 + 4 * ch, q + 4 * v, 4);
           } else {  // byte 4ch + j of vector v: input 8v + j (low nibble), 8v + 4 + j (high)
@@ -950,11 +945,11 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
               for (int64_t j = 0; j < 4; ++j)
                 gc[v * 64 + 4 * ch + j] = (q[8 * v + j] & 0x0F) | ((q[8 * v + 4 + j] & 0x0F) << 4);
           }
-          if (s.planes)  // byte 4ch + j: the high bits of input 4v + j at bits planes * v
+          if (s.planes)  // after the nibbles, byte 4ch + j: the high bits of input 4v + j at bits planes * v
             for (int64_t j = 0; j < 4; ++j) {
               uint32_t bits = 0;
               for (int64_t v = 0; v < s.group / 4; ++v) bits += static_cast<uint32_t>(q[4 * v + j] >> 4) << (s.planes * v);
-              tp[g * 64 + 4 * ch + j] = static_cast<uint8_t>(bits);
+              gc[code_bytes(s) + 4 * ch + j] = static_cast<uint8_t>(bits);
             }
           if (s.kq) {
             ti[(g * s.iscales) * kTile + ch] = c.sc[g];
@@ -970,7 +965,7 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
     if (!exact) all_exact = false;
   });
   TORCH_CHECK(all_exact.load(), "gguf_pack: scales that float16 does not hold exactly");
-  return {codes, planes, fscales, iscales};
+  return {codes, fscales, iscales};
 }
 
 bool gguf_linear_vectorized() { return VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX2; }
@@ -978,7 +973,7 @@ bool gguf_linear_vectorized() { return VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX
 }  // namespace
 
 TORCH_LIBRARY(verispec_gguf, m) {
-  m.def("gguf_linear(Tensor x, Tensor codes, Tensor planes, Tensor fscales, Tensor iscales, Tensor? bias, int fmt, "
+  m.def("gguf_linear(Tensor x, Tensor codes, Tensor fscales, Tensor iscales, Tensor? bias, int fmt, "
         "int out_features) -> Tensor");
   m.def("gguf_linear_vectorized() -> bool", &gguf_linear_vectorized);
   m.def("gguf_pack(Tensor[] members, int type, int in_features, Tensor? order) -> Tensor[]", &gguf_pack);
