@@ -23,7 +23,7 @@ from verispec.heads.io import save_heads
 from verispec.models.hf import HFCausalLM
 from verispec.proposers import build_proposer
 from verispec.proposers.eagle import EagleProposer
-from verispec.proposers.hybrid import HybridProposer, SuffixHybridProposer, graft, merge
+from verispec.proposers.hybrid import HybridProposer, PairState, SuffixHybridProposer, expected, graft, merge
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
@@ -202,6 +202,37 @@ def test_a_suffix_hybrid_forwards_scope_and_release_and_sizes_for_both(tiny_targ
     )
     assert set(proposer.suffix.cache.scopes) == {"a"}  # released outputs, private ones not kept
     assert sum(g.stats.num_accepted for g in again) > sum(g.stats.num_accepted for g in first)
+
+
+def test_a_sure_suffix_tree_drafts_without_the_heads(tiny_target, monkeypatch):
+    """Where the suffix tree alone expects at least what the heads' trees have expected on average,
+    the heads are not asked for that sequence; elsewhere both trees are merged as before."""
+    drafter, _, _ = trained(tiny_target, "eagle")
+    spec = SpecConfig(method="eagle+suffix", num_speculative_tokens=4, depth="fixed")
+    heads_proposer = eagle_proposer(tiny_target, drafter, nodes=6, width=2)
+    proposer = SuffixHybridProposer(heads_proposer, SuffixProposer(spec))
+    sure = scored_tree([5, 6, 7], [-1, 0, 1], [0.95, 0.9, 0.85])
+    unsure = scored_tree([5], [-1], [0.3])
+    heads_tree = scored_tree([9, 5], [-1, -1], [0.5, 0.4])
+    assert expected(sure) == pytest.approx(2.7) and expected(heads_tree) == pytest.approx(0.9)
+    assert expected(Draft.empty()) == 0.0
+    suffix_trees = {"sure": sure, "unsure": unsure}
+    monkeypatch.setattr(proposer.suffix, "draft", lambda state, ids, k, min_logp: suffix_trees[state])
+    asked: list[list[str]] = []
+
+    def heads(states, token_ids, ks, *, min_logp):
+        asked.append(list(states))
+        return [heads_tree] * len(states)
+
+    monkeypatch.setattr(proposer.heads, "propose_batch", heads)
+    states = [PairState(heads="sure", other="sure"), PairState(heads="unsure", other="unsure")]
+    proposer.propose_batch(states, [[1, 2], [1, 2]], [4, 4])
+    assert asked == [["sure", "unsure"]]  # nothing known of the heads yet: they draft for both
+    assert proposer.heads_expected == pytest.approx(0.9)
+    drafts = proposer.propose_batch(states, [[1, 2], [1, 2]], [4, 4])
+    assert asked[-1] == ["unsure"]
+    assert drafts[0] is sure
+    assert as_paths(drafts[1]) == as_paths(merge(heads_tree, unsure)) == {(5,): 0.4, (9,): 0.5}
 
 
 @pytest.mark.slow
