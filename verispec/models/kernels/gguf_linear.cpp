@@ -702,8 +702,9 @@ void tile_rows(int64_t fmt, int64_t rows, const Weights& w, const Acts& a, const
 }
 #endif
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& fscales, const at::Tensor& iscales, const std::optional<at::Tensor>& bias,
-                       int64_t fmt, int64_t out_features) {
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& fscales,
+                       const at::Tensor& iscales, const std::optional<at::Tensor>& bias, int64_t fmt,
+                       int64_t out_features) {
   const Spec s = spec_of(fmt);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32");
   const int64_t K = x.size(-1), N = out_features;
