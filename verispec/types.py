@@ -84,6 +84,12 @@ class Draft:
         return int(self.tokens.shape[0])
 
     @property
+    def expected(self) -> float:
+        """Accepted tokens expected of a scored tree, if its scores are right: the sum of its nodes'
+        path probabilities (0 without scores or nodes)."""
+        return float(self.scores.exp().sum()) if self.scores is not None else 0.0
+
+    @property
     def depth(self) -> int:
         """Most tokens the draft can add: a chain's length, a tree's deepest path."""
         return self.size if self.is_chain else max(self.depths(), default=0)

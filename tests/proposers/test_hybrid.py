@@ -23,7 +23,7 @@ from verispec.heads.io import save_heads
 from verispec.models.hf import HFCausalLM
 from verispec.proposers import build_proposer
 from verispec.proposers.eagle import EagleProposer
-from verispec.proposers.hybrid import HybridProposer, PairState, SuffixHybridProposer, expected, graft, merge
+from verispec.proposers.hybrid import HybridProposer, PairState, SuffixHybridProposer, graft, merge
 from verispec.proposers.medusa import MedusaProposer
 from verispec.proposers.ngram import NgramProposer
 from verispec.proposers.suffix import SuffixProposer
@@ -214,8 +214,8 @@ def test_a_sure_suffix_tree_drafts_without_the_heads(tiny_target, monkeypatch):
     sure = scored_tree([5, 6, 7], [-1, 0, 1], [0.95, 0.9, 0.85])
     unsure = scored_tree([5], [-1], [0.3])
     heads_tree = scored_tree([9, 5], [-1, -1], [0.5, 0.4])
-    assert expected(sure) == pytest.approx(2.7) and expected(heads_tree) == pytest.approx(0.9)
-    assert expected(Draft.empty()) == 0.0
+    assert sure.expected == pytest.approx(2.7) and heads_tree.expected == pytest.approx(0.9)
+    assert Draft.empty().expected == 0.0
     suffix_trees = {"sure": sure, "unsure": unsure}
     monkeypatch.setattr(proposer.suffix, "draft", lambda state, ids, k, min_logp: suffix_trees[state])
     asked: list[list[str]] = []

@@ -60,7 +60,7 @@ class Drafting:
         depth, accepted = draft.depth, result.num_accepted
         seq.stats.observe(depth, accepted)
         if draft.scores is not None:
-            self.tree_calibration.observe(float(draft.scores.exp().sum()), accepted)
+            self.tree_calibration.observe(draft.expected, accepted)
         if depth:
             seq.acceptance.observe(depth, accepted)
             self.prior.observe(depth, accepted)

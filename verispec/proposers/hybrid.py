@@ -218,7 +218,7 @@ class SuffixHybridProposer(HeadsPlus):
             for state, ids, k in zip(states, token_ids, ks, strict=True)
         ]
         bar = self.heads_expected
-        wanted = [i for i, draft in enumerate(drafts) if bar is None or expected(draft) < bar]
+        wanted = [i for i, draft in enumerate(drafts) if bar is None or draft.expected < bar]
         if not wanted:
             return drafts
         trees = self.heads.propose_batch(
@@ -229,18 +229,10 @@ class SuffixHybridProposer(HeadsPlus):
         )
         for i, tree in zip(wanted, trees, strict=True):
             if tree.size:  # an empty tree: the heads had nothing to draft from yet, not a bad guess
-                mean = expected(tree) if self.heads_expected is None else self.heads_expected
-                self.heads_expected = mean + self.HEADS_MEMORY * (expected(tree) - mean)
+                mean = tree.expected if self.heads_expected is None else self.heads_expected
+                self.heads_expected = mean + self.HEADS_MEMORY * (tree.expected - mean)
             drafts[i] = merge(tree, drafts[i])
         return drafts
-
-
-def expected(draft: Draft) -> float:
-    """A scored tree's expected accepted tokens: the sum of its nodes' path probabilities (0 for
-    an empty draft)."""
-    if draft.size == 0 or draft.scores is None:
-        return 0.0
-    return float(draft.scores.exp().sum())
 
 
 def graft(tree: Draft, chain: Sequence[int], survival: Sequence[float]) -> Draft:
