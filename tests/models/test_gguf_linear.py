@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from verispec.errors import VerispecError
 from verispec.models import gguf_linear as gl
+from verispec.models import native
 from verispec.models.registry import BUNDLED, ensure_gguf
 
 TYPES = sorted(gl.KERNEL_TYPES, key=lambda t: t.name)
@@ -96,16 +97,19 @@ def test_the_largest_codes_and_scales_do_not_overflow_the_integer_sums(qtype: Q)
     """ "k" types sum a whole super-block in int32 before one float conversion: with every code and
     group scale at its largest magnitude and every activation at +-127, the products still match."""
     rows, k = 20, 512
-    blocks = random_blocks(qtype, rows, k, seed=5).reshape(rows * 2, -1)
-    blocks[:, _K_FIELDS[qtype]] = 0xFF  # codes and 6-bit scales and mins at their maximum
-    if qtype == Q.Q6_K:
-        blocks[:, 192:208] = 0x80  # int8 group scales at -128
-    blocks = blocks.reshape(rows, -1)
-    layer = gl.GGUFLinear(qtype, blocks, (rows, k))
-    x = torch.ones(3, k) * torch.tensor([[1.0], [-1.0], [0.5]])  # every activation code +-127
-    expected = reference(x, quants.dequantize(blocks, qtype).reshape(rows, k), 256)
-    got = layer(x).double()
-    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # Q6_K's codes also at 0: its AVX-512 tile multiplies c - 32, largest in magnitude there
+    for codes in (0xFF, 0x00) if qtype == Q.Q6_K else (0xFF,):
+        blocks = random_blocks(qtype, rows, k, seed=5).reshape(rows * 2, -1)
+        blocks[:, _K_FIELDS[qtype]] = 0xFF  # codes and 6-bit scales and mins at their maximum
+        if qtype == Q.Q6_K:
+            blocks[:, 0:192] = codes
+            blocks[:, 192:208] = 0x80  # int8 group scales at -128
+        blocks = blocks.reshape(rows, -1)
+        layer = gl.GGUFLinear(qtype, blocks, (rows, k))
+        x = torch.ones(3, k) * torch.tensor([[1.0], [-1.0], [0.5]])  # every activation code +-127
+        expected = reference(x, quants.dequantize(blocks, qtype).reshape(rows, k), 256)
+        got = layer(x).double()
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0], ids=lambda t: t.name)
@@ -182,23 +186,27 @@ _OTHER_BUILD = """
 import sys
 from verispec.models import native
 native.cpu_isa = lambda: {isa!r}  # build and load the kernel as on a CPU with only this
+native.cpu_has_gfni = lambda: False
 import pytest
 checks = "products_match or bit_identically or real_file or overflow"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", checks, {path!r}]))
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", None], ids=["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512-vnni", "avx2", None], ids=["avx512-no-gfni", "avx2", "scalar"])
 def test_the_avx2_and_portable_builds_pass_the_same_checks(isa: str | None) -> None:
     """The AVX2 and portable builds, compiled here as a CPU without AVX-512 (or without AVX2) would
-    compile them, pass the same checks: each build is its own consistent arithmetic."""
+    compile them, and the AVX-512 build without GFNI (Q6_K and Q3_K codes unpacked by shifts and a
+    subtraction) pass the same checks: each build is its own consistent arithmetic."""
     import subprocess
     import sys
 
     if os.environ.get(_INSIDE):
         pytest.skip("already inside another build's run")
-    if isa is not None and native_isa() is None:
+    if isa is not None and native.cpu_isa() is None:
         pytest.skip("this CPU cannot run the AVX2 build")
+    if isa == "avx512-vnni" and not native.cpu_has_gfni():
+        pytest.skip("this CPU has no GFNI, or no AVX-512: the suite's own build covers it")
     script = _OTHER_BUILD.format(isa=isa, path=__file__)
     env = {**os.environ, _INSIDE: "1"}
     done = subprocess.run(
@@ -206,12 +214,6 @@ def test_the_avx2_and_portable_builds_pass_the_same_checks(isa: str | None) -> N
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout
-
-
-def native_isa() -> str | None:
-    from verispec.models import native
-
-    return native.cpu_isa()
 
 
 def assert_same_parts(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -59,6 +59,12 @@ _FORMAT_OF = {
     Q.Q6_K: "k6",
     Q.Q3_K: "k3",
 }
+_CODE_BIAS = {"k6": 32, "k3": 4}
+"""Symmetric "k" formats (mn = sc): w = D sc (c - bias). Their AVX-512 tiles multiply the signed
+``c - bias`` by the activations plus 128 and start each super-block's sums at ``kcorr``, -128 sum_g
+sc_g sum_{i in g} (c_i - bias), instead of adding an offset term per row (the kernel's header)."""
+_PARTS = ("codes", "fscales", "iscales", "kcorr")
+"""The kernel's arrays of one weight, in the order its packer returns them."""
 KERNEL_TYPES = frozenset(_FORMAT_OF)
 """The block types a :class:`GGUFLinear` runs natively."""
 
@@ -196,10 +202,10 @@ def dequantize_factors(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarra
 
 def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """:func:`unpack_blocks`'s parts -> the kernel's arrays (``codes``, with the high bits of 5- and
-    6-bit codes after each group's nibbles, ``fscales``, ``iscales``), output channels padded with
-    zero channels to whole tiles of :data:`TILE`; the layout is described in
-    ``kernels/gguf_linear.cpp``."""
-    _, group, _, planes, whole_bytes, kq = _FORMATS[_FORMAT_OF[qtype]]
+    6-bit codes after each group's nibbles, ``fscales``, ``iscales``, and ``kcorr`` for Q6_K and
+    Q3_K), output channels padded with zero channels to whole tiles of :data:`TILE`; the layout is
+    described in ``kernels/gguf_linear.cpp``."""
+    _, group, unit, planes, whole_bytes, kq = _FORMATS[_FORMAT_OF[qtype]]
     rows, k = codes.shape
     tiles = -(-rows // TILE)
     pad = tiles * TILE - rows
@@ -236,10 +242,17 @@ def pack(qtype: Q, codes: np.ndarray, factors: dict[str, np.ndarray]) -> dict[st
         ):
             raise VerispecError(f"a {qtype.name} tensor's scales do not fit float16 exactly")
         fscales, iscales = torch.stack([s, o], 2), torch.empty(0, dtype=torch.int8)
+    kcorr = torch.empty(0, dtype=torch.int32)
+    bias = _CODE_BIAS.get(_FORMAT_OF[qtype])
+    if bias is not None:
+        sums = (codes.astype(np.int64) - bias).reshape(rows, k // group, group).sum(-1)  # [rows, groups]
+        per_unit = (factors["sc"].astype(np.int64) * sums).reshape(rows, k // unit, -1).sum(-1)
+        kcorr = per_tile(-128 * per_unit, torch.int32).reshape(tiles, -1).contiguous()
     return {
         "codes": packed.reshape(tiles, -1).contiguous(),
         "fscales": fscales.reshape(tiles, -1).contiguous(),
         "iscales": iscales.reshape(tiles, -1).contiguous() if kq else iscales,
+        "kcorr": kcorr,
     }
 
 
@@ -264,7 +277,7 @@ def pack_blocks(
         if "float16 does not hold" in str(exc):
             raise VerispecError(f"a {qtype.name} tensor's scales do not fit float16 exactly") from None
         raise
-    return dict(zip(("codes", "fscales", "iscales"), packed, strict=True))
+    return dict(zip(_PARTS, packed, strict=True))
 
 
 def pack_reference(qtype: Q, blocks: np.ndarray) -> dict[str, torch.Tensor]:
@@ -389,7 +402,7 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     def parts(self) -> dict[str, torch.Tensor]:
-        return {name: getattr(self, name) for name in ("codes", "fscales", "iscales")}
+        return {name: getattr(self, name) for name in _PARTS}
 
     def rows(self, ids: torch.Tensor) -> GGUFLinear:
         """A layer of the output channels ``ids`` only, their blocks as they are: its outputs equal
@@ -412,7 +425,7 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
         return torch.ops.verispec_gguf.gguf_linear(
-            x, self.codes, self.fscales, self.iscales, self.bias, self.fmt, self.out_features
+            x, self.codes, self.fscales, self.iscales, self.kcorr, self.bias, self.fmt, self.out_features
         )
 
     def extra_repr(self) -> str:

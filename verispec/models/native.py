@@ -34,6 +34,9 @@ _ISA_CPUINFO = {
 _AMX_FLAGS = ("-mamx-tile", "-mamx-int8")
 """Added to the AVX-512 VNNI build where the CPU has AMX-INT8 (the int4 kernel's tile path)."""
 _AMX_CPUINFO = ("amx_tile", "amx_int8")
+_GFNI_FLAGS = ("-mgfni",)
+"""Added to the AVX-512 VNNI build where the CPU has GFNI (Ice Lake, Zen 4 and later): the GGUF
+kernel unpacks Q6_K and Q3_K codes with one affine bit-matrix product per vector."""
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # source name -> None (loaded) or why it failed
 _warned: set[str] = set()  # sources whose failed build a caller has warned about
@@ -52,20 +55,29 @@ def cpu_isa() -> str | None:
 
 
 @functools.cache
+def _cpuinfo_words() -> frozenset[str]:
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore").split())
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_amx() -> bool:
     """Whether this CPU has AMX tiles with int8 products (Intel Sapphire Rapids and later) beside
     AVX-512 VNNI: then the kernels are also built with AMX (the int4 kernel's tile path)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
-    except OSError:
-        return False
-    return cpu_isa() == "avx512-vnni" and all(f in text.split() for f in _AMX_CPUINFO)
+    return cpu_isa() == "avx512-vnni" and _cpuinfo_words().issuperset(_AMX_CPUINFO)
+
+
+def cpu_has_gfni() -> bool:
+    """Whether this CPU has GFNI beside AVX-512 VNNI (not Cascade Lake; Ice Lake, Zen 4 on)."""
+    return cpu_isa() == "avx512-vnni" and "gfni" in _cpuinfo_words()
 
 
 def flags() -> tuple[str, ...]:
     isa = cpu_isa()
     amx = _AMX_FLAGS if cpu_has_amx() else ()
-    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ()) + amx
+    gfni = _GFNI_FLAGS if cpu_has_gfni() else ()
+    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ()) + amx + gfni
 
 
 def build_key(source: str) -> str:

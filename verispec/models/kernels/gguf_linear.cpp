@@ -24,7 +24,9 @@
 // core's 8-row Q6_K products ~150 G multiply-adds/s from memory against ~260 with the weights in
 // cache; ~230 with the high bits in line).
 // Q8_0's codes (q + 128) are whole bytes instead: G/4 vectors whose byte 4c + j is input 4v + j.
-// Q6_K's and Q3_K's offsets need no int8 of their own (mn = sc): their group scales hold sc only.
+// Q6_K's and Q3_K's offsets need no int8 of their own (mn = sc): their group scales hold sc only, and
+// an int32 per channel and super-block, kcorr = -128 sum_g sc_g sum_{i in g} (c_i - bias) (bias 32 and 4),
+// lets the AVX-512 tiles multiply signed codes with no offset term (tile_avx512_k).
 // Q3_K's codes (q + 4, 0..7) are nibbles with no bit planes, in groups of 16 as Q6_K's.
 //
 // Activations are quantized per row and unit U of inputs (256 for "k" formats, G for legacy ones), as
@@ -99,6 +101,10 @@ struct Spec {
   int64_t group, unit, planes;
   bool bytes, kq;
   int64_t iscales;  // int8 group scales per channel and group ("k": sc and mn, or sc alone)
+  // Symmetric "k" formats (Q6_K, Q3_K: mn = sc): w = D sc (c - bias). Their AVX-512 tiles multiply the
+  // signed c - bias by q + 128 and need no offset term (see tile_avx512_k).
+  int64_t bias = 0;
+  bool symmetric() const { return kq && iscales == 1; }
 };
 
 Spec spec_of(int64_t fmt) {
@@ -108,8 +114,8 @@ Spec spec_of(int64_t fmt) {
     case LEG8: return {32, 32, 0, true, false, 0};
     case K4: return {32, 256, 0, false, true, 2};
     case K5: return {32, 256, 1, false, true, 2};
-    case K6: return {16, 256, 2, false, true, 1};
-    case K3: return {16, 256, 0, false, true, 1};
+    case K6: return {16, 256, 2, false, true, 1, 32};
+    case K3: return {16, 256, 0, false, true, 1, 4};
   }
   TORCH_CHECK(false, "gguf_linear: unknown format ", fmt);
 }
@@ -123,6 +129,7 @@ inline int64_t group_bytes(const Spec& s) { return code_bytes(s) + plane_bytes(s
 // the codes (|sum| <= 32 x 127; the "k" tiles take it as it is, the float tiles times xs).
 struct Acts {
   std::vector<int8_t> q;
+  std::vector<uint8_t> qu;  // q + 128: the unsigned operand where the codes are signed (symmetric "k" tiles)
   std::vector<float> xs;
   std::vector<int16_t> sums;
   // The offset term's factor of row m's group g in unit u: the group's code sum times xs.
@@ -133,7 +140,8 @@ struct Acts {
 
 // One unit's codes: a = round(x * inv) (ties to even) within [-127, 127], and per group their sum.
 // The vector builds compute the same IEEE products and roundings as the scalar loop, 16 or 8 at a time.
-void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int16_t* sums) {
+// `qu`, where given (AVX-512, symmetric formats), gets q + 128 as well.
+void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, uint8_t* qu, int16_t* sums) {
   const int64_t per_unit = s.unit / s.group;
 #if VERISPEC_GGUF_AVX512
   const __m512 vinv = _mm512_set1_ps(inv);
@@ -143,7 +151,9 @@ void quantize_unit(const float* xu, const Spec& s, float inv, int8_t* q, int16_t
     for (int64_t i = g * s.group; i < (g + 1) * s.group; i += 16) {
       __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xu + i), vinv));
       c = _mm512_min_epi32(_mm512_max_epi32(c, lo), hi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(c));
+      const __m128i bytes = _mm512_cvtepi32_epi8(c);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), bytes);
+      if (qu != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(qu + i), _mm_xor_si128(bytes, _mm_set1_epi8(-128)));
       sum = _mm512_add_epi32(sum, c);
     }
     sums[g] = static_cast<int16_t>(_mm512_reduce_add_epi32(sum));
@@ -200,7 +210,7 @@ float max_abs(const float* x, int64_t n) {
 #endif
 }
 
-void quantize_row(const float* x, int64_t K, const Spec& s, int8_t* q, float* xs, int16_t* gsums) {
+void quantize_row(const float* x, int64_t K, const Spec& s, int8_t* q, uint8_t* qu, float* xs, int16_t* gsums) {
   const int64_t units = K / s.unit, per_unit = s.unit / s.group;
   for (int64_t u = 0; u < units; ++u) {
     const float* xu = x + u * s.unit;
@@ -208,7 +218,7 @@ void quantize_row(const float* x, int64_t K, const Spec& s, int8_t* q, float* xs
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     const float scale = amax / 127.f;
     xs[u] = scale;
-    quantize_unit(xu, s, inv, q + u * s.unit, gsums + u * per_unit);
+    quantize_unit(xu, s, inv, q + u * s.unit, qu != nullptr ? qu + u * s.unit : nullptr, gsums + u * per_unit);
   }
 }
 
@@ -218,9 +228,11 @@ Acts quantize_rows(const float* x, int64_t M, int64_t K, const Spec& s) {
   a.q.resize(M * K);
   a.xs.resize(M * units);
   a.sums.resize(M * groups);
+  if (VERISPEC_GGUF_AVX512 && s.symmetric()) a.qu.resize(M * K);
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, K, s, a.q.data() + m * K, a.xs.data() + m * units, a.sums.data() + m * groups);
+      quantize_row(x + m * K, K, s, a.q.data() + m * K, a.qu.empty() ? nullptr : a.qu.data() + m * K,
+                   a.xs.data() + m * units, a.sums.data() + m * groups);
   });
   return a;
 }
@@ -230,6 +242,7 @@ struct Weights {
   const uint8_t* codes;    // [tiles, groups, code bytes + high-bit bytes]
   const uint16_t* kscale;  // "k": [tiles, units, 2, 16] (D, M) float16
   const int8_t* kint;      // "k": [tiles, groups, 2 or 1, 16] (sc, mn or sc alone)
+  const int32_t* kcorr;    // symmetric "k": [tiles, units, 16] -128 sum_g sc_g sum_{i in g} (c_i - bias)
   const uint16_t* lscale;  // legacy: [tiles, groups, 2, 16] (S, O) float16
   int64_t K, N, groups, units;
 };
@@ -331,6 +344,54 @@ inline void unpack_group(const uint8_t* cg, const uint8_t* high, __m512i (&wv)[G
   if constexpr (P > 0) add_high_bits<P, 0>(wv, _mm512_loadu_si512(high));
 }
 
+// A symmetric "k" group's G/4 code vectors minus the format's bias (Q6_K 32, Q3_K 4), as signed bytes.
+// With GFNI one affine bit-matrix product per vector moves a field into place and writes its sign bits
+// (a 6-bit code c: bits 0-4 of c - 32 are c's, bits 5-7 are all the complement of c's bit 5); without
+// it, the codes as unpack_group gives them, minus the bias.
+#if defined(__GFNI__)
+// The matrix whose affine product sets bit `to` of each byte to bit `from` (OR several for several bits).
+constexpr uint64_t gf_bit(int to, int from) { return (uint64_t{1} << from) << (8 * (7 - to)); }
+constexpr uint64_t gf_sign(int from, int lowest) {  // bits lowest .. 7 <- bit `from`
+  return lowest > 7 ? 0 : gf_bit(lowest, from) | gf_sign(from, lowest + 1);
+}
+template <int64_t V>  // Q6_K: vector V's 2 high bits (bits 2V, 2V + 1 of the high-bit byte) to bits 4 .. 7
+inline __m512i q6_high(__m512i high) {
+  return _mm512_gf2p8affine_epi64_epi8(high, _mm512_set1_epi64(gf_bit(4, 2 * V) | gf_sign(2 * V + 1, 5)), 0xE0);
+}
+#endif
+
+template <int64_t G, int64_t P>
+inline void unpack_signed(const uint8_t* cg, __m512i (&wv)[G / 4]) {
+  static_assert(G == 16 && (P == 2 || P == 0), "symmetric k formats: Q6_K and Q3_K");
+#if defined(__GFNI__)
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if constexpr (P == 2) {
+    const __m512i high = _mm512_loadu_si512(cg + kTile * G / 2);
+    const __m512i nib_high = _mm512_set1_epi64(gf_bit(0, 4) | gf_bit(1, 5) | gf_bit(2, 6) | gf_bit(3, 7));
+    for (int64_t t = 0; t < 2; ++t) {
+      const __m512i bytes = _mm512_loadu_si512(cg + 64 * t);
+      const __m512i h0 = t == 0 ? q6_high<0>(high) : q6_high<2>(high);
+      const __m512i h1 = t == 0 ? q6_high<1>(high) : q6_high<3>(high);
+      wv[2 * t] = _mm512_ternarylogic_epi32(bytes, h0, low4, 0xEC);  // (bytes & low4) | h0
+      wv[2 * t + 1] = _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(bytes, nib_high, 0), h1);
+    }
+  } else {  // Q3_K: codes q + 4 (0 .. 7) in nibbles; q = bits 0-1, then the complement of bit 2
+    const __m512i lo = _mm512_set1_epi64(gf_bit(0, 0) | gf_bit(1, 1) | gf_sign(2, 2));
+    const __m512i hi = _mm512_set1_epi64(gf_bit(0, 4) | gf_bit(1, 5) | gf_sign(6, 2));
+    for (int64_t t = 0; t < 2; ++t) {
+      const __m512i bytes = _mm512_loadu_si512(cg + 64 * t);
+      wv[2 * t] = _mm512_gf2p8affine_epi64_epi8(bytes, lo, 0xFC);
+      wv[2 * t + 1] = _mm512_gf2p8affine_epi64_epi8(bytes, hi, 0xFC);
+    }
+    (void)low4;
+  }
+#else
+  unpack_group<G, P>(cg, cg + kTile * G / 2, wv);
+  const __m512i bias = _mm512_set1_epi8(P == 2 ? 32 : 4);
+  for (int64_t v = 0; v < G / 4; ++v) wv[v] = _mm512_sub_epi8(wv[v], bias);
+#endif
+}
+
 // One tile (16 channels) of a legacy format for rows [m0, m0 + ROWS): G/4 weight vectors per group,
 // unpacked once and multiplied with every row's activations. The rows' integer sums are separate
 // chains, interleaved, so the products' latency overlaps.
@@ -387,9 +448,17 @@ void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, i
 // offset term sum_g mn_g * sum_g(a) takes one int16 pair product per two groups (vpdpwssd), then
 //   y += (D * xs_u) * float(sum_g sc_g * dot_g) - (M * xs_u) * float(sum_g mn_g * sum_g(a)).
 // All integer sums are exact (|sum_g sc_g dot_g| < 2^31 for every "k" type's code and scale range).
+// Symmetric formats (Q6_K, Q3_K: mn = sc, w = D sc (c - bias)) drop the offset term: their codes are
+// unpacked as signed c - bias and multiplied by the unsigned q + 128, and each super-block's sums
+// start at the packer's -128 sum_g sc_g sum(c - bias), so that they end at sum_g sc_g sum(q (c - bias))
+// (|.| < 4.1e8 for Q6_K), llama.cpp's own integer sum, and
+//   y += (D * xs_u) * float(sum_g sc_g sum(q (c - bias))).
+// The offset term's 1 product per 8 of the codes' went with it: 8-row Q6_K products with the weights
+// in cache 10-12% sooner on a Zen 5 (from memory, ~2% more bytes: the corrections).
 template <int64_t G, int64_t P, int64_t ROWS>
 void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y, int64_t tile, int64_t m0) {
   using L = KLayout<G, P>;
+  constexpr bool kSym = L::kIScales == 1;  // Q6_K, Q3_K: signed codes, no offset term
   const L at(w, tile);
   // vpermw index: int16 lane 2c <- element c (group 2p's mn), 2c + 1 <- element 16 + c (group 2p + 1's).
   alignas(64) static constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
@@ -397,11 +466,16 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
   const __m512i pairs = _mm512_load_si512(kPairIndex);
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* arow[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) arow[r] = a.q.data() + (m0 + r) * w.K;
+  const uint8_t* arow[ROWS];  // the rows' activation bytes: q (signed), or q + 128 against signed codes
+  for (int64_t r = 0; r < ROWS; ++r)
+    arow[r] = kSym ? a.qu.data() + (m0 + r) * w.K : reinterpret_cast<const uint8_t*>(a.q.data()) + (m0 + r) * w.K;
   for (int64_t u = 0; u < w.units; ++u) {
     __m512i isum[ROWS], osum[ROWS];
-    for (int64_t r = 0; r < ROWS; ++r) isum[r] = osum[r] = _mm512_setzero_si512();
+    const __m512i start = kSym ? _mm512_loadu_si512(w.kcorr + (tile * w.units + u) * kTile) : _mm512_setzero_si512();
+    for (int64_t r = 0; r < ROWS; ++r) {
+      isum[r] = start;
+      osum[r] = _mm512_setzero_si512();
+    }
     for (int64_t j = 0; j < L::kPerUnit; ++j) {
       const int64_t g = u * L::kPerUnit + j;
       const uint8_t* cg = at.codes + g * L::kGroupBytes;
@@ -409,31 +483,39 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
         _mm_prefetch(reinterpret_cast<const char*>(cg + kPrefetch + line), _MM_HINT_T0);
       const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at.iscales + g * L::kIScales * kTile)));
       __m512i wv[L::kVecs];
-      unpack_group<G, P>(cg, cg + L::kCodeBytes, wv);
+      if constexpr (kSym)
+        unpack_signed<G, P>(cg, wv);
+      else
+        unpack_group<G, P>(cg, cg + L::kCodeBytes, wv);
       __m512i d[ROWS];
       for (int64_t r = 0; r < ROWS; ++r) d[r] = _mm512_setzero_si512();
       for (int64_t v = 0; v < L::kVecs; ++v)
         for (int64_t r = 0; r < ROWS; ++r) {
           int32_t four;
           std::memcpy(&four, arow[r] + g * G + 4 * v, 4);
-          d[r] = _mm512_dpbusd_epi32(d[r], wv[v], _mm512_set1_epi32(four));
+          if constexpr (kSym)  // unsigned q + 128 times signed c - bias
+            d[r] = _mm512_dpbusd_epi32(d[r], _mm512_set1_epi32(four), wv[v]);
+          else  // unsigned c times signed q
+            d[r] = _mm512_dpbusd_epi32(d[r], wv[v], _mm512_set1_epi32(four));
         }
       for (int64_t r = 0; r < ROWS; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(d[r], sc));
     }
-    // The offset term, after the unit's products: with its sums live beside theirs (products, group
-    // sums, code vectors: 24 registers for 8 rows) GCC spilled in the product loop. Same integer sums,
-    // so the same bits; one core's 8-row Q4_K products on a Zen 5 ~300 -> ~330 G multiply-adds/s
-    // from memory (314 -> 348 in L2), 64 rows on 2 threads 600-607 -> 652-672.
-    for (int64_t j = 1; j < L::kPerUnit; j += 2) {  // groups g - 1 and g
-      const int64_t g = u * L::kPerUnit + j;
-      const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile;
-      const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + L::kIScales * kTile)),
-                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
-      const __m512i mnp = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(both));
-      for (int64_t r = 0; r < ROWS; ++r) {
-        int32_t two;
-        std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
-        osum[r] = _mm512_dpwssd_epi32(osum[r], mnp, _mm512_set1_epi32(two));
+    if constexpr (!kSym) {
+      // The offset term, after the unit's products: with its sums live beside theirs (products, group
+      // sums, code vectors: 24 registers for 8 rows) GCC spilled in the product loop. Same integer sums,
+      // so the same bits; one core's 8-row Q4_K products on a Zen 5 ~300 -> ~330 G multiply-adds/s
+      // from memory (314 -> 348 in L2), 64 rows on 2 threads 600-607 -> 652-672.
+      for (int64_t j = 1; j < L::kPerUnit; j += 2) {  // groups g - 1 and g
+        const int64_t g = u * L::kPerUnit + j;
+        const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile;
+        const __m256i both = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + L::kIScales * kTile)),
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn)));
+        const __m512i mnp = _mm512_permutexvar_epi16(pairs, _mm512_cvtepi8_epi16(both));
+        for (int64_t r = 0; r < ROWS; ++r) {
+          int32_t two;
+          std::memcpy(&two, a.sums.data() + (m0 + r) * w.groups + g - 1, 4);
+          osum[r] = _mm512_dpwssd_epi32(osum[r], mnp, _mm512_set1_epi32(two));
+        }
       }
     }
     const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
@@ -442,7 +524,7 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
     for (int64_t r = 0; r < ROWS; ++r) {
       const __m512 xs = _mm512_set1_ps(a.xs[(m0 + r) * w.units + u]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(D, xs), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum[r]), _mm512_mul_ps(Mv, xs), acc[r]);
+      if constexpr (!kSym) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum[r]), _mm512_mul_ps(Mv, xs), acc[r]);
     }
   }
   const int64_t n0 = tile * kTile;
@@ -703,8 +785,8 @@ void tile_rows(int64_t fmt, int64_t rows, const Weights& w, const Acts& a, const
 #endif
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& fscales,
-                       const at::Tensor& iscales, const std::optional<at::Tensor>& bias, int64_t fmt,
-                       int64_t out_features) {
+                       const at::Tensor& iscales, const at::Tensor& kcorr, const std::optional<at::Tensor>& bias,
+                       int64_t fmt, int64_t out_features) {
   const Spec s = spec_of(fmt);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "gguf_linear: x must be float32");
   const int64_t K = x.size(-1), N = out_features;
@@ -717,11 +799,15 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
                 "gguf_linear: bad super-block scales");
     TORCH_CHECK(iscales.scalar_type() == at::kChar && iscales.numel() == tiles * groups * s.iscales * kTile,
                 "gguf_linear: bad group scales");
+    if (s.symmetric())
+      TORCH_CHECK(kcorr.scalar_type() == at::kInt && kcorr.numel() == tiles * units * kTile,
+                  "gguf_linear: bad code-sum corrections");
   } else {
     TORCH_CHECK(fscales.scalar_type() == at::kHalf && fscales.numel() == tiles * groups * 2 * kTile,
                 "gguf_linear: bad group scales");
   }
-  const at::Tensor cc = codes.contiguous(), fc = fscales.contiguous(), ic = iscales.contiguous();
+  const at::Tensor cc = codes.contiguous(), fc = fscales.contiguous(), ic = iscales.contiguous(),
+                   kc = kcorr.contiguous();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const at::Tensor xc = x.reshape({-1, K}).contiguous();
@@ -739,6 +825,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   Weights w{cc.data_ptr<uint8_t>(),
             s.kq ? reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()) : nullptr,
             s.kq ? ic.data_ptr<int8_t>() : nullptr,
+            s.symmetric() ? kc.data_ptr<int32_t>() : nullptr,
             s.kq ? nullptr : reinterpret_cast<const uint16_t*>(fc.data_ptr<at::Half>()),
             K, N, groups, units};
   float* yp = y.data_ptr<float>();
@@ -920,6 +1007,9 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
   uint8_t* cp = codes.data_ptr<uint8_t>();
   uint16_t* fp = reinterpret_cast<uint16_t*>(fscales.data_ptr<at::Half>());
   int8_t* ip = s.kq ? iscales.data_ptr<int8_t>() : nullptr;
+  at::Tensor kcorr = at::zeros(s.symmetric() ? at::IntArrayRef{tiles, units * kTile} : at::IntArrayRef{0},
+                               at::TensorOptions().dtype(at::kInt));
+  int32_t* kp = s.symmetric() ? kcorr.data_ptr<int32_t>() : nullptr;
   std::atomic<bool> all_exact{true};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     Channel c{std::vector<uint8_t>(K), std::vector<float>(nf), std::vector<float>(nf), std::vector<int8_t>(groups),
@@ -957,6 +1047,16 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
             if (s.iscales == 2) ti[(g * 2 + 1) * kTile + ch] = c.mn[g];
           }
         }
+        if (kp)  // -128 sum_g sc_g sum_{i in g} (c_i - bias) per super-block: what q + 128 adds to the sums
+          for (int64_t u = 0; u < units; ++u) {
+            int32_t total = 0;
+            for (int64_t g = u * (s.unit / s.group); g < (u + 1) * (s.unit / s.group); ++g) {
+              int32_t codes_sum = 0;
+              for (int64_t i = 0; i < s.group; ++i) codes_sum += c.codes[g * s.group + i] - static_cast<int32_t>(s.bias);
+              total += c.sc[g] * codes_sum;
+            }
+            kp[(t * units + u) * kTile + ch] = -128 * total;
+          }
         for (int64_t f = 0; f < nf; ++f) {
           tf[(2 * f) * kTile + ch] = to_half(c.f0[f], exact);
           tf[(2 * f + 1) * kTile + ch] = to_half(c.f1[f], exact);
@@ -966,7 +1066,7 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
     if (!exact) all_exact = false;
   });
   TORCH_CHECK(all_exact.load(), "gguf_pack: scales that float16 does not hold exactly");
-  return {codes, fscales, iscales};
+  return {codes, fscales, iscales, kcorr};
 }
 
 bool gguf_linear_vectorized() { return VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX2; }
@@ -974,8 +1074,8 @@ bool gguf_linear_vectorized() { return VERISPEC_GGUF_AVX512 || VERISPEC_GGUF_AVX
 }  // namespace
 
 TORCH_LIBRARY(verispec_gguf, m) {
-  m.def("gguf_linear(Tensor x, Tensor codes, Tensor fscales, Tensor iscales, Tensor? bias, int fmt, "
-        "int out_features) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor codes, Tensor fscales, Tensor iscales, Tensor kcorr, Tensor? bias, "
+        "int fmt, int out_features) -> Tensor");
   m.def("gguf_linear_vectorized() -> bool", &gguf_linear_vectorized);
   m.def("gguf_pack(Tensor[] members, int type, int in_features, Tensor? order) -> Tensor[]", &gguf_pack);
 }
