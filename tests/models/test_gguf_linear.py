@@ -187,17 +187,24 @@ import sys
 from verispec.models import native
 native.cpu_isa = lambda: {isa!r}  # build and load the kernel as on a CPU with only this
 native.cpu_has_gfni = lambda: False
+if not {avx_vnni!r}:
+    native.cpu_has_avx_vnni = lambda: False
 import pytest
 checks = "products_match or bit_identically or real_file or overflow"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-k", checks, {path!r}]))
 """
 
 
-@pytest.mark.parametrize("isa", ["avx512-vnni", "avx2", None], ids=["avx512-no-gfni", "avx2", "scalar"])
-def test_the_avx2_and_portable_builds_pass_the_same_checks(isa: str | None) -> None:
-    """The AVX2 and portable builds, compiled here as a CPU without AVX-512 (or without AVX2) would
-    compile them, and the AVX-512 build without GFNI (Q6_K and Q3_K codes unpacked by shifts and a
-    subtraction) pass the same checks: each build is its own consistent arithmetic."""
+@pytest.mark.parametrize(
+    ("isa", "avx_vnni"),
+    [("avx512-vnni", False), ("avx2", True), ("avx2", False), (None, False)],
+    ids=["avx512-no-gfni", "avx2-avx-vnni", "avx2", "scalar"],
+)
+def test_the_avx2_and_portable_builds_pass_the_same_checks(isa: str | None, avx_vnni: bool) -> None:
+    """The AVX2 builds (with AVX-VNNI and without) and the portable one, compiled here as a CPU
+    without AVX-512 (or without AVX2) would compile them, and the AVX-512 build without GFNI (Q6_K and
+    Q3_K codes unpacked by shifts and a subtraction) pass the same checks: each build is its own
+    consistent arithmetic."""
     import subprocess
     import sys
 
@@ -207,7 +214,9 @@ def test_the_avx2_and_portable_builds_pass_the_same_checks(isa: str | None) -> N
         pytest.skip("this CPU cannot run the AVX2 build")
     if isa == "avx512-vnni" and not native.cpu_has_gfni():
         pytest.skip("this CPU has no GFNI, or no AVX-512: the suite's own build covers it")
-    script = _OTHER_BUILD.format(isa=isa, path=__file__)
+    if avx_vnni and "avx_vnni" not in native._cpuinfo_words():
+        pytest.skip("this CPU has no AVX-VNNI")
+    script = _OTHER_BUILD.format(isa=isa, avx_vnni=avx_vnni, path=__file__)
     env = {**os.environ, _INSIDE: "1"}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=900, env=env

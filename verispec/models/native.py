@@ -37,6 +37,9 @@ _AMX_CPUINFO = ("amx_tile", "amx_int8")
 _GFNI_FLAGS = ("-mgfni",)
 """Added to the AVX-512 VNNI build where the CPU has GFNI (Ice Lake, Zen 4 and later): the GGUF
 kernel unpacks Q6_K and Q3_K codes with one affine bit-matrix product per vector."""
+_AVX_VNNI_FLAGS = ("-mavxvnni",)
+"""Added to the AVX2 build where the CPU has AVX-VNNI (Intel's 12th-14th generation Core, without
+AVX-512; Zen 5): the GGUF kernel's AVX2 tiles multiply with 256-bit ``vpdpbusd``."""
 _lock = threading.Lock()
 _loaded: dict[str, str | None] = {}  # source name -> None (loaded) or why it failed
 _warned: set[str] = set()  # sources whose failed build a caller has warned about
@@ -73,11 +76,17 @@ def cpu_has_gfni() -> bool:
     return cpu_isa() == "avx512-vnni" and "gfni" in _cpuinfo_words()
 
 
+def cpu_has_avx_vnni() -> bool:
+    """Whether the AVX2 build is the one here and the CPU has AVX-VNNI beside it."""
+    return cpu_isa() == "avx2" and "avx_vnni" in _cpuinfo_words()
+
+
 def flags() -> tuple[str, ...]:
     isa = cpu_isa()
     amx = _AMX_FLAGS if cpu_has_amx() else ()
     gfni = _GFNI_FLAGS if cpu_has_gfni() else ()
-    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ()) + amx + gfni
+    avx_vnni = _AVX_VNNI_FLAGS if cpu_has_avx_vnni() else ()
+    return COMMON_FLAGS + (_ISA_FLAGS[isa] if isa else ()) + amx + gfni + avx_vnni
 
 
 def build_key(source: str) -> str:
