@@ -454,7 +454,7 @@ void tile_avx512(const Weights& w, const Acts& a, const float* bias, float* y, i
 // Symmetric formats (Q6_K, Q3_K: mn = sc, w = D sc (c - bias)) drop the offset term: their codes are
 // unpacked as signed c - bias and multiplied by the unsigned q + 128, and each super-block's sums
 // start at the packer's -128 sum_g sc_g sum(c - bias), so that they end at sum_g sc_g sum(q (c - bias))
-// (|.| < 4.1e8 for Q6_K), llama.cpp's own integer sum, and
+// (every partial sum under 4.1e8 in magnitude for Q6_K), llama.cpp's own integer sum, and
 //   y += (D * xs_u) * float(sum_g sc_g sum(q (c - bias))).
 // The offset term's 1 product per 8 of the codes' went with it: 8-row Q6_K products with the weights
 // in cache 10-12% sooner on a Zen 5 (from memory, ~2% more bytes: the corrections).
