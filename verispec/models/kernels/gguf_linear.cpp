@@ -463,22 +463,15 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
   using L = KLayout<G, P>;
   constexpr bool kSym = L::kIScales == 1;  // Q6_K, Q3_K: signed codes, no offset term
   const L at(w, tile);
-  // vpermw index: int16 lane 2c <- element c (group 2p's mn), 2c + 1 <- element 16 + c (group 2p + 1's).
-  alignas(64) static constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i pairs = _mm512_load_si512(kPairIndex);
   __m512 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* arow[ROWS];  // the rows' activation bytes: q (signed), or q + 128 against signed codes
   for (int64_t r = 0; r < ROWS; ++r)
     arow[r] = kSym ? a.qu.data() + (m0 + r) * w.K : reinterpret_cast<const uint8_t*>(a.q.data()) + (m0 + r) * w.K;
   for (int64_t u = 0; u < w.units; ++u) {
-    __m512i isum[ROWS], osum[ROWS];
+    __m512i isum[ROWS];
     const __m512i start = kSym ? _mm512_loadu_si512(w.kcorr + (tile * w.units + u) * kTile) : _mm512_setzero_si512();
-    for (int64_t r = 0; r < ROWS; ++r) {
-      isum[r] = start;
-      osum[r] = _mm512_setzero_si512();
-    }
+    for (int64_t r = 0; r < ROWS; ++r) isum[r] = start;
     for (int64_t j = 0; j < L::kPerUnit; ++j) {
       const int64_t g = u * L::kPerUnit + j;
       const uint8_t* cg = at.codes + g * L::kGroupBytes;
@@ -503,11 +496,23 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
         }
       for (int64_t r = 0; r < ROWS; ++r) isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(d[r], sc));
     }
+    const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
+    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512 xs = _mm512_set1_ps(a.xs[(m0 + r) * w.units + u]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(D, xs), acc[r]);
+    }
     if constexpr (!kSym) {
       // The offset term, after the unit's products: with its sums live beside theirs (products, group
       // sums, code vectors: 24 registers for 8 rows) GCC spilled in the product loop. Same integer sums,
       // so the same bits; one core's 8-row Q4_K products on a Zen 5 ~300 -> ~330 G multiply-adds/s
       // from memory (314 -> 348 in L2), 64 rows on 2 threads 600-607 -> 652-672.
+      // vpermw index: int16 lane 2c <- element c (group 2p's mn), 2c + 1 <- element 16 + c (group 2p + 1's).
+      alignas(64) static constexpr int16_t kPairIndex[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+      const __m512i pairs = _mm512_load_si512(kPairIndex);
+      __m512i osum[ROWS];
+      for (int64_t r = 0; r < ROWS; ++r) osum[r] = _mm512_setzero_si512();
       for (int64_t j = 1; j < L::kPerUnit; j += 2) {  // groups g - 1 and g
         const int64_t g = u * L::kPerUnit + j;
         const int8_t* mn = at.iscales + (g - 1) * L::kIScales * kTile + (L::kIScales - 1) * kTile;
@@ -520,14 +525,11 @@ void tile_avx512_k(const Weights& w, const Acts& a, const float* bias, float* y,
           osum[r] = _mm512_dpwssd_epi32(osum[r], mnp, _mm512_set1_epi32(two));
         }
       }
-    }
-    const uint16_t* dm = w.kscale + ((tile * w.units + u) * 2) * kTile;
-    const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm)));
-    const __m512 Mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + kTile)));
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const __m512 xs = _mm512_set1_ps(a.xs[(m0 + r) * w.units + u]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(D, xs), acc[r]);
-      if constexpr (!kSym) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum[r]), _mm512_mul_ps(Mv, xs), acc[r]);
+      const __m512 Mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + kTile)));
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const __m512 xs = _mm512_set1_ps(a.xs[(m0 + r) * w.units + u]);
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(osum[r]), _mm512_mul_ps(Mv, xs), acc[r]);
+      }
     }
   }
   const int64_t n0 = tile * kTile;
