@@ -5,6 +5,7 @@ quantized activations, and each row's result is bit-identical alone or in a batc
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -272,3 +273,46 @@ def test_large_layers_are_packed_a_slice_of_rows_at_a_time() -> None:
     assert np.array_equal(layer.dequantized().numpy(), quants.dequantize(blocks, Q.Q6_K).reshape(rows, k))
     x = torch.randn(2, k)
     assert torch.equal(layer(x)[:, -21:], layer.rows(torch.arange(rows - 21, rows))(x))
+
+
+def mapping_of(address: int) -> dict[str, str] | None:
+    """/proc/self/smaps' fields of the mapping that holds ``address`` (None: no mapping does)."""
+    fields: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            if fields is not None:
+                return fields
+            start, end = (int(a, 16) for a in head.split("-"))
+            fields = {} if start <= address < end else None
+        elif fields is not None:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="no transparent huge pages here (not Linux)",
+)
+def test_packed_weights_are_on_memory_asked_for_huge_pages_and_go_with_their_layer() -> None:
+    """The packer's arrays are in mappings advised for 2 MB pages (VmFlags "hg"): a small layer's in
+    a chunk shared with others, a big one's (over 32 MB) in its own, unmapped when the layer goes."""
+    small = gl.GGUFLinear(Q.Q4_K, random_blocks(Q.Q4_K, 64, 512), (64, 512))
+    big = gl.GGUFLinear(Q.Q4_K, random_blocks(Q.Q4_K, 8448, 8192, seed=1), (8448, 8192))
+    for address in (small.codes.data_ptr(), big.codes.data_ptr()):
+        fields = mapping_of(address)
+        assert fields is not None and "hg" in fields["VmFlags"].split()
+    address = big.codes.data_ptr()
+    assert address % (2 << 20) == 0  # its own chunk starts on a 2 MB boundary
+    x = torch.randn(3, 8192)
+    assert torch.equal(big(x), reference_of(big, x))
+    del big
+    assert mapping_of(address) is None
+
+
+def reference_of(layer: gl.GGUFLinear, x: torch.Tensor) -> torch.Tensor:
+    """The layer's outputs from copies of its arrays in ordinary memory."""
+    parts = {name: value.clone() for name, value in layer.parts().items()}
+    copy = gl.GGUFLinear.from_parts(layer.qtype, parts, (layer.out_features, layer.in_features), None)
+    return copy(x)

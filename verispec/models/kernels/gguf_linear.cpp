@@ -69,7 +69,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VERISPEC_GGUF_AVX512 1
@@ -998,6 +1004,88 @@ inline uint16_t to_half(float v, bool& exact) {
   return h.x;
 }
 
+// Where packed weights live: 2 MB pages. A decode step streams every weight once, ~1 GB for the 1.5B,
+// and with 4 KB pages that is a page walk and a stop of the hardware prefetchers every 4 KB of each
+// thread's stream. Linux backs anonymous memory with transparent huge pages where asked (madvise, the
+// usual setting; "always" needs no asking, "never" refuses, and then this is plain memory). The packer
+// takes its arrays from chunks of such memory, one after another (64-byte aligned), so small layers
+// (q, k, v, o) share huge pages too. On a Zen 5 (2 cores) the 1.5B's 1-token step went 20.3-21.7 ->
+// 18.6-19.5 ms and its 8-token step 28.2-29.6 -> 27.1-28.0 (alternated in one process). Fresh
+// anonymous memory is zero, which the packer relies on (padding, kcorr's sums). A chunk is unmapped
+// when the last array in it is freed; nothing is ever reused, so a model's arrays stay together.
+class WeightArena {
+ public:
+  static WeightArena& instance() {
+    static WeightArena arena;
+    return arena;
+  }
+
+  // Zero-filled tensors of these sizes and types, in huge-page memory where the system gives it.
+  std::vector<at::Tensor> take(const std::vector<std::pair<std::vector<int64_t>, at::ScalarType>>& specs) {
+    std::vector<at::Tensor> out;
+#if defined(__linux__)
+    std::lock_guard<std::mutex> hold(mutex_);
+    for (const auto& [shape, type] : specs) {
+      int64_t count = 1;
+      for (int64_t d : shape) count *= d;
+      const size_t bytes = static_cast<size_t>(count) * at::elementSize(type);
+      const bool own = bytes > kChunk / 2;  // a big array gets a chunk of its own
+      std::shared_ptr<Chunk> chunk = bytes == 0 ? nullptr : own ? Chunk::map(bytes) : bump(bytes);
+      if (!chunk) {  // nothing to place, or no mapping to be had: ordinary memory
+        out.push_back(at::zeros(shape, at::TensorOptions().dtype(type)));
+        continue;
+      }
+      uint8_t* place = chunk->base + (own ? 0 : used_);
+      if (!own) used_ += (bytes + 63) / 64 * 64;
+      out.push_back(at::from_blob(place, shape, [chunk](void*) {}, at::TensorOptions().dtype(type)));
+    }
+#else
+    for (const auto& [shape, type] : specs) out.push_back(at::zeros(shape, at::TensorOptions().dtype(type)));
+#endif
+    return out;
+  }
+
+ private:
+  static constexpr size_t kHuge = size_t{1} << 21;
+  static constexpr size_t kChunk = size_t{64} << 20;  // small arrays share chunks of this size
+
+#if defined(__linux__)
+  struct Chunk {
+    uint8_t* base;
+    size_t length;
+    ~Chunk() { munmap(base, length); }
+
+    // `bytes` (rounded up to 4 KB) of anonymous memory starting on a 2 MB boundary, huge pages asked for.
+    static std::shared_ptr<Chunk> map(size_t bytes) {
+      const size_t length = (bytes + 4095) / 4096 * 4096;
+      void* raw = mmap(nullptr, length + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (raw == MAP_FAILED) return nullptr;
+      uint8_t* start = static_cast<uint8_t*>(raw);
+      uint8_t* base = start + (kHuge - reinterpret_cast<uintptr_t>(start) % kHuge) % kHuge;
+      if (base > start) munmap(start, base - start);  // keep only [base, base + length)
+      if (base + length < start + length + kHuge) munmap(base + length, start + length + kHuge - base - length);
+      madvise(base, length, MADV_HUGEPAGE);  // a refusal leaves ordinary pages
+      return std::shared_ptr<Chunk>(new Chunk{base, length});
+    }
+  };
+
+  // A place for `bytes` in the current shared chunk, or in a new one (the old one lives on in its arrays).
+  std::shared_ptr<Chunk> bump(size_t bytes) {
+    std::shared_ptr<Chunk> chunk = current_.lock();
+    if (!chunk || used_ + bytes > chunk->length) {
+      chunk = Chunk::map(kChunk);
+      current_ = chunk;
+      used_ = 0;
+    }
+    return chunk;
+  }
+
+  std::mutex mutex_;
+  std::weak_ptr<Chunk> current_;  // weak: a chunk whose arrays are all freed is unmapped, not kept here
+  size_t used_ = 0;
+#endif
+};
+
 // Blocks of ggml type `type` -> codes (the high bits in line), fscales, iscales as pack() lays them out. `members`
 // ([rows_i, row_bytes] each) are the rows of one layer one after another (q, k and v of a fused
 // product: packed into one layout at once, with no copy to concatenate); `order`, where given, says
@@ -1031,18 +1119,17 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
   const int64_t N = static_cast<int64_t>(rows.size()), tiles = (N + kTile - 1) / kTile, groups = K / s.group,
                 units = K / s.unit;
   const int64_t nf = s.kq ? units : groups;  // float factors per channel
-  const auto u8 = at::TensorOptions().dtype(at::kByte);
-  // Left uninitialized: every byte of a whole tile is written below, and a last tile's padding is
-  // zeroed there (one pass over the memory rather than two: the 8B's 4.9 GB are page faults first).
-  at::Tensor codes = at::empty({tiles, groups * group_bytes(s)}, u8);
-  at::Tensor fscales = at::empty({tiles, nf * 2 * kTile}, at::TensorOptions().dtype(at::kHalf));
-  const auto i8 = at::TensorOptions().dtype(at::kChar);
-  at::Tensor iscales = at::empty(s.kq ? at::IntArrayRef{tiles, groups * s.iscales * kTile} : at::IntArrayRef{0}, i8);
+  // Zero-filled, on huge pages (WeightArena); every byte of a whole tile is written below.
+  const std::vector<at::Tensor> arrays = WeightArena::instance().take({
+      {{tiles, groups * group_bytes(s)}, at::kByte},
+      {{tiles, nf * 2 * kTile}, at::kHalf},
+      {s.kq ? std::vector<int64_t>{tiles, groups * s.iscales * kTile} : std::vector<int64_t>{0}, at::kChar},
+      {s.symmetric() ? std::vector<int64_t>{tiles, units * kTile} : std::vector<int64_t>{0}, at::kInt},
+  });
+  const at::Tensor &codes = arrays[0], &fscales = arrays[1], &iscales = arrays[2], &kcorr = arrays[3];
   uint8_t* cp = codes.data_ptr<uint8_t>();
   uint16_t* fp = reinterpret_cast<uint16_t*>(fscales.data_ptr<at::Half>());
   int8_t* ip = s.kq ? iscales.data_ptr<int8_t>() : nullptr;
-  at::Tensor kcorr = at::zeros(s.symmetric() ? at::IntArrayRef{tiles, units * kTile} : at::IntArrayRef{0},
-                               at::TensorOptions().dtype(at::kInt));
   int32_t* kp = s.symmetric() ? kcorr.data_ptr<int32_t>() : nullptr;
   std::atomic<bool> all_exact{true};
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -1053,11 +1140,6 @@ std::vector<at::Tensor> gguf_pack(const std::vector<at::Tensor>& members, int64_
       uint8_t* tc = cp + t * groups * group_bytes(s);
       uint16_t* tf = fp + t * nf * 2 * kTile;
       int8_t* ti = s.kq ? ip + t * groups * s.iscales * kTile : nullptr;
-      if ((t + 1) * kTile > N) {  // the last tile, with padding channels: all zero first
-        std::memset(tc, 0, groups * group_bytes(s));
-        std::memset(tf, 0, nf * 2 * kTile * sizeof(uint16_t));
-        if (ti) std::memset(ti, 0, groups * s.iscales * kTile);
-      }
       for (int64_t ch = 0; ch < kTile && t * kTile + ch < N; ++ch) {
         decode_channel(type, rows[t * kTile + ch], K, c);
         for (int64_t g = 0; g < groups; ++g) {
