@@ -15,6 +15,11 @@ from verispec.heads.eagle import DraftCache, DraftRows
 from verispec.heads.eagle3 import Eagle3Config, Eagle3Drafter, inverse_frequencies, ttt_masks
 from verispec.heads.speculators_io import load_eagle3
 from verispec.heads.speculators_save import save_sglang, save_speculators
+from verispec.models import native
+from verispec.models.attention import NATIVE_SOURCE as ATTENTION_SOURCE
+from verispec.models.fused import fuse_projections
+from verispec.models.lean import NATIVE_SOURCE
+from verispec.models.quant import quantize_model
 
 H, VOCAB, DRAFT_VOCAB = 32, 50, 20
 LLAMA3_ROPE = {
@@ -148,14 +153,17 @@ def catch_up(
     return cache, out
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-ops", "torch-ops"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @torch.inference_mode()
-def test_incremental_drafting_equals_the_training_forward(variant):
+def test_incremental_drafting_equals_the_training_forward(variant, native):
     """Pass 1 over a prefix, then a chain of draft nodes, each in the cache's scratch slots after the
     committed pairs and seeing them plus its ancestors: the same logits as the full forward's TTT
-    passes, where row j of pass s is the depth-s node after the pairs 0..j."""
+    passes, where row j of pass s is the depth-s node after the pairs 0..j (with verispec's C++
+    norms, rotary embedding and SiLU product, or torch's)."""
     cfg = tiny_config(**VARIANTS[variant])
     drafter = random_drafter(cfg)
+    drafter.native_ops = native
     aux, ids = inputs(cfg)
     full = drafter(aux, ids, steps=3)
     for j in (0, 3, 6):
@@ -355,3 +363,37 @@ def test_unreadable_folders_are_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(VerispecError, match="cannot read"):
         load_eagle3(tmp_path)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@torch.inference_mode()
+def test_catch_up_pairs_are_the_same_bits_however_the_passes_group_them(variant):
+    """With quantized Linears and the C++ operations a true pair's key, value and output do not depend
+    on the pairs beside it in a catch-up pass, nor does its fused feature or its draft logits (what
+    lets the prefix cache hand one request's pairs to another); float Linears do not claim it."""
+    if native.load(NATIVE_SOURCE) is not None or native.load(ATTENTION_SOURCE) is not None:
+        pytest.skip("the C++ operations did not build here")
+    cfg = tiny_config(**VARIANTS[variant])
+    drafter = random_drafter(cfg)
+    assert not drafter.position_invariant  # float products through BLAS
+    fuse_projections(quantize_model(drafter, "int8"))
+    assert drafter.position_invariant
+    aux, ids = inputs(cfg, length=23)
+
+    def catch_up_in(passes: list[int]) -> tuple[DraftCache, torch.Tensor, torch.Tensor]:
+        cache, outs, features, start = DraftCache(drafter.config, capacity=4), [], [], 0
+        for n in passes:
+            causal = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+            rows = DraftRows(cache, start, torch.arange(start + 1, start + n + 1), causal, catch_up=True)
+            features.append(drafter.fuse(aux[0, start : start + n]))
+            outs.append(drafter.step(drafter.embed(ids[0, start : start + n]), features[-1], [rows]))
+            cache.commit(n)
+            start += n
+        return cache, torch.cat(features), torch.cat(outs)
+
+    whole, whole_features, whole_out = catch_up_in([23])
+    parts, parts_features, parts_out = catch_up_in([1, 4, 2, 5, 3, 1, 7])
+    assert torch.equal(whole_features, parts_features)
+    assert torch.equal(whole.keys, parts.keys) and torch.equal(whole.values, parts.values)
+    assert torch.equal(whole_out, parts_out)
+    assert torch.equal(drafter.logits(whole_out[-3:]), drafter.logits(whole_out)[-3:])

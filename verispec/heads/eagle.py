@@ -315,7 +315,7 @@ class EagleDrafter(nn.Module):
             heads[:, :rotated] = _apply_rotary(heads[:, :rotated], cos[:, None], sin[:, None])
         rowwise = ops is not None and any(g.catch_up for g in groups) and _rowwise_ready()
         x, h = _add_norm(
-            x, attn.o_proj(self._attend(qkv, groups, rowwise)), layer.post_attention_layernorm, ops
+            x, attn.o_proj(attend_groups(qkv, groups, cfg, rowwise)), layer.post_attention_layernorm, ops
         )
         gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
         product = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
@@ -333,37 +333,6 @@ class EagleDrafter(nn.Module):
             )
             self._rope_table = table
         return table[0][positions], table[1][positions]
-
-    def _attend(self, qkv: torch.Tensor, groups: Sequence[DraftRows], rowwise: bool) -> torch.Tensor:
-        """Attention of each group over its cache, ``[N, heads * head_dim]``. The query heads that
-        share a key/value head are stacked as extra query rows of that head, so one SDPA call per
-        sequence reads the cache where it lies. With ``rowwise``, a catch-up group goes through
-        verispec's row-wise kernel instead (each position over exactly its causal prefix)."""
-        cfg = self.config
-        heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        shared = heads // kv
-        parts = qkv.view(qkv.shape[0], heads + 2 * kv, d)
-        outs, row = [], 0
-        for g in groups:
-            n = g.count
-            rows = parts[row : row + n]
-            row += n
-            new_keys, new_values = rows[:, heads : heads + kv], rows[:, heads + kv :]
-            g.cache.write(g.slot, new_keys.transpose(0, 1), new_values.transpose(0, 1))
-            if rowwise and g.catch_up:
-                keys, values = g.cache.buffers()
-                out = torch.ops.verispec_attention.rowwise_attention(
-                    rows[:, :heads].transpose(0, 1), keys, values, g.slot, 0, None, d**-0.5
-                )  # [n, heads, d]
-                outs.append(out.reshape(n, heads * d))
-                continue
-            keys, values = g.cache.visible(g.slot + n)
-            query = rows[:, :heads].transpose(0, 1).reshape(kv, shared * n, d)
-            out = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=g.mask.to(query.device).repeat(shared, 1)
-            )
-            outs.append(out.view(heads, n, d).transpose(0, 1).reshape(n, heads * d))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class _Layer(nn.Module):
@@ -435,6 +404,42 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attend_groups(qkv: torch.Tensor, groups: Sequence[DraftRows], config: Any, rowwise: bool) -> torch.Tensor:
+    """Attention of each group over its cache, ``[N, heads * head_dim]``, from the rows' joint
+    ``qkv [N, (heads + 2 kv) head_dim]`` (``config``: the drafter's, with ``num_attention_heads``,
+    ``num_key_value_heads`` and ``head_dim``); each group's new keys and values are written to its
+    cache first. The query heads that share a key/value head are stacked as extra query rows of that
+    head, so one SDPA call per sequence reads the cache where it lies. With ``rowwise``, a catch-up
+    group goes through verispec's row-wise kernel instead (each position over exactly its causal
+    prefix), so its outputs do not depend on how the pairs were grouped into passes."""
+    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shared = heads // kv
+    parts = qkv.view(qkv.shape[0], heads + 2 * kv, d)
+    outs, row = [], 0
+    for g in groups:
+        n = g.count
+        rows = parts[row : row + n]
+        row += n
+        new_keys, new_values = rows[:, heads : heads + kv], rows[:, heads + kv :]
+        g.cache.write(g.slot, new_keys.transpose(0, 1), new_values.transpose(0, 1))
+        if rowwise and g.catch_up:
+            keys, values = g.cache.buffers()
+            out = torch.ops.verispec_attention.rowwise_attention(
+                rows[:, :heads].transpose(0, 1), keys, values, g.slot, 0, None, d**-0.5
+            )  # [n, heads, d]
+            outs.append(out.reshape(n, heads * d))
+            continue
+        keys, values = g.cache.visible(g.slot + n)
+        query = rows[:, :heads].transpose(0, 1).reshape(kv, shared * n, d)
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=g.mask.to(query.device).repeat(shared, 1)
+        )
+        outs.append(out.view(heads, n, d).transpose(0, 1).reshape(n, heads * d))
+    if row != qkv.shape[0]:
+        raise ValueError(f"draft rows cover {row} of {qkv.shape[0]} rows")
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _native_ready(x: torch.Tensor) -> bool:

@@ -46,7 +46,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from verispec.errors import VerispecError
-from verispec.heads.eagle import DraftRows, RMSNorm, _apply_rotary
+from verispec.heads.eagle import (
+    DraftRows,
+    RMSNorm,
+    _add_norm,
+    _apply_rotary,
+    _joint,
+    _native_ready,
+    _norm,
+    _rowwise_ready,
+    attend_groups,
+)
 from verispec.models.rope_freqs import llama3_divisors
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "inverse_frequencies", "rope_tables", "ttt_masks"]
@@ -191,9 +201,13 @@ class Eagle3Drafter(nn.Module):
     draft nodes with their parent's output as ``features``, and score any output with :meth:`logits`.
     """
 
-    def __init__(self, config: Eagle3Config) -> None:
+    def __init__(self, config: Eagle3Config, *, native_ops: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.native_ops = native_ops
+        """:meth:`step`, :meth:`fuse` and :meth:`logits` use ``kernels/layer_ops.cpp``'s norms, rotary
+        embedding and SiLU product where they build (float32 on CPU), as ``EagleDrafter.step`` does;
+        False keeps torch's everywhere (:meth:`forward`, the training forward, always does)."""
         h, eps = config.hidden_size, config.rms_norm_eps
         width = config.num_aux * config.aux_width
         self.embed_tokens = nn.Embedding(config.target_vocab_size, h)
@@ -213,6 +227,24 @@ class Eagle3Drafter(nn.Module):
         """float64, not a buffer: ``.to(torch.bfloat16)`` must not round the rotary frequencies."""
 
     @property
+    def position_invariant(self) -> bool:
+        """Whether a catch-up pass gives every true pair the same bits however the pairs are grouped
+        into passes (``EagleDrafter.position_invariant``'s conditions): the C++ operations, the row-wise
+        attention, and every Linear quantized (verispec's int4 and int8 kernels compute each row on its
+        own). Then the prefix cache keeps the pairs, and a later request that starts the same way
+        feeds the drafter only its new positions."""
+        if not self.native_ops or not _native_ready(self.norm.weight):
+            return False
+        return not any(type(module) is nn.Linear for module in self.modules()) and _rowwise_ready()
+
+    def _ops(self, x: torch.Tensor) -> Any:
+        """``torch.ops.verispec_layer`` where :attr:`native_ops` asks for them and they run on ``x``,
+        and nothing is differentiated (they have no backward: training takes torch's)."""
+        if not self.native_ops or torch.is_grad_enabled():
+            return None
+        return torch.ops.verispec_layer if _native_ready(x) else None
+
+    @property
     def uses_draft_vocab(self) -> bool:
         """Whether the draft vocabulary is a subset (speculators has no ``d2t``/``t2d`` otherwise)."""
         return self.config.draft_vocab_size != self.config.target_vocab_size
@@ -227,11 +259,12 @@ class Eagle3Drafter(nn.Module):
                 f"({cfg.num_aux * cfg.aux_width} values), got {aux_hidden.shape[-1]}"
             )
         x = aux_hidden.to(self.embed_tokens.weight.dtype)  # fc may be quantized: no tensor weight
+        ops = self._ops(x)
         if cfg.norm_before_fc:
-            x = self.input_norm(x)
+            x = _norm(self.input_norm, x, ops)
         if cfg.fc_norm:
             chunks = x.chunk(cfg.num_aux, dim=-1)
-            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+            x = torch.cat([_norm(norm, c, ops) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
         return self.fc(x)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -241,7 +274,8 @@ class Eagle3Drafter(nn.Module):
         """Draft logits ``[..., draft_vocab_size]`` of outputs of :meth:`step`/:meth:`forward`'s passes
         (those are what the next position takes as ``h``: pre-norm, or already normed with
         ``norm_output``, where speculators scores the same normed tensor it feeds back)."""
-        return self.lm_head(features if self.config.norm_output else self.norm(features))
+        normed = features if self.config.norm_output else _norm(self.norm, features, self._ops(features))
+        return self.lm_head(normed)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft-vocabulary ids (any shape): ``d + d2t[d]``."""
@@ -312,9 +346,42 @@ class Eagle3Drafter(nn.Module):
 
         Why not :meth:`forward` with a padded batch: at decode time a pass has a few rows and the cost
         is per-operation overhead, so every row goes through the Linears together and each sequence
-        attends over its own cache in place (as ``EagleDrafter.step``). Torch's operations only, so it
-        matches :meth:`forward` to float32 rounding.
+        attends over its own cache in place (as ``EagleDrafter.step``). With the C++ operations
+        (:attr:`native_ops`, float32 on CPU) the norms, the rotary embedding and the SiLU product are
+        single calls that work row by row, and catch-up rows attend position by position (the
+        row-wise kernel), which rounds differently from torch's operations in the last bits (a draft
+        has to be good, not exact) and makes the pairs position-invariant where the Linears are
+        quantized (:attr:`position_invariant`). Otherwise torch's operations, matching :meth:`forward`
+        to float32 rounding.
         """
+        ops = self._ops(embeds)
+        if ops is None:
+            return self._torch_step(embeds, features, groups)
+        cfg = self.config
+        layer = self.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        normed = _norm(layer.hidden_norm, features, ops)
+        residual = normed if layer.norm_before_residual else features
+        x = torch.cat([_norm(layer.input_layernorm, embeds, ops), normed], dim=-1)
+        qkv = _joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", x).contiguous()
+        heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        if cfg.qk_norm:  # Qwen3: each query and key head normed on its own, before the rotation
+            parts = qkv.view(qkv.shape[0], heads + 2 * kv, d)
+            for norm, lo, hi in ((attn.q_norm, 0, heads), (attn.k_norm, heads, heads + kv)):
+                parts[:, lo:hi] = _norm(norm, parts[:, lo:hi].reshape(-1, d), ops).view(-1, hi - lo, d)
+        cos, sin = (r.to(x.dtype) for r in self._rope(torch.cat([g.positions for g in groups]).to(x.device)))
+        ops.rotary_(qkv, cos.contiguous(), sin.contiguous(), heads + kv)
+        rowwise = any(g.catch_up for g in groups) and _rowwise_ready()
+        attended = attn.o_proj(attend_groups(qkv, groups, cfg, rowwise))
+        x, h = _add_norm(residual, attended, layer.post_attention_layernorm, ops)
+        gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
+        out = x + mlp.down_proj(ops.silu_mul(gate, up))
+        return _norm(self.norm, out, ops) if cfg.norm_output else out
+
+    def _torch_step(
+        self, embeds: torch.Tensor, features: torch.Tensor, groups: Sequence[DraftRows]
+    ) -> torch.Tensor:
+        """:meth:`step` in torch's operations (any device and dtype)."""
         layer = self.layers[0]
         x, residual = layer.inputs(embeds, features)
         q, k, v = layer.self_attn.project(x)  # [N, heads or kv, d]
