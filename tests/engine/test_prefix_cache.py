@@ -4,6 +4,7 @@ exact (the same output, log-probabilities and random draws as recomputing the pr
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -280,17 +281,40 @@ class CountingPairs:
         return self.inner(embeds, features, groups)
 
 
-def test_eagle_takes_its_pairs_from_the_cache_and_drafts_the_same(int8_target):
-    """Beside the target's keys the cache keeps the EAGLE drafter's pairs (int8 drafter, C++
-    operations): a later turn feeds the drafter only its new positions, and drafts, accepts and
+def trained_eagle3(target: HFCausalLM) -> Eagle3Drafter:
+    """An EAGLE-3 drafter fitted on the target's own greedy text, reading the raw input of layer 1."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, target.vocab_size, (4,), generator=gen).tolist() for _ in range(100)]
+    arrays = raw_arrays(target, greedy_texts(target, prompts, 32), (1,))
+    settings = TrainSettings(kind="eagle3", aux_layers=(1,), unroll=2, epochs=10, batch_tokens=256, lr=1e-2)
+    data = TokenData(arrays, "soft", (1,), raw_taps=True)
+    return train_eagle3(target, data, settings, progress=False)[0]
+
+
+def heads_proposer(target: HFCausalLM, method: str) -> Callable[[], EagleProposer]:
+    """A maker of fresh proposers around one drafter trained for ``target``: verispec's EAGLE layer,
+    or an EAGLE-3 drafter in the speculators' arithmetic; int8 Linears either way."""
+    if method == "eagle":
+        drafter = trained(target, "eagle")[0]
+        embeddings = target.model.get_input_embeddings()
+        return lambda: EagleProposer(
+            copy.deepcopy(drafter), VocabHead(target, None), embeddings, nodes=6, width=2, quantize="int8"
+        )
+    drafter3 = trained_eagle3(target)
+    size = target.vocab_size
+    return lambda: Eagle3Proposer(copy.deepcopy(drafter3), size, nodes=6, width=2, quantize="int8")
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_eagle_drafters_take_their_pairs_from_the_cache_and_draft_the_same(int8_target, method):
+    """Beside the target's keys the cache keeps an EAGLE or EAGLE-3 drafter's pairs (int8 drafter,
+    C++ operations): a later turn feeds the drafter only its new positions, and drafts, accepts and
     samples exactly what it did when the drafter caught up on the whole conversation."""
-    drafter, _, _ = trained(int8_target, "eagle")
-    spec = SpecConfig(method="eagle", num_speculative_tokens=4, depth="fixed")
-    embeddings = int8_target.model.get_input_embeddings()
+    make = heads_proposer(int8_target, method)
+    spec = SpecConfig(method=method, num_speculative_tokens=4, depth="fixed")  # type: ignore[arg-type]
     runs = []
     for gb in (1.0, 0.0):
-        head = VocabHead(int8_target, None)
-        proposer = EagleProposer(copy.deepcopy(drafter), head, embeddings, nodes=6, width=2, quantize="int8")
+        proposer = make()
         if not proposer.drafter.position_invariant:
             pytest.skip("the C++ operations did not build here")
         fed = CountingPairs(proposer.drafter)
@@ -306,44 +330,6 @@ def test_eagle_takes_its_pairs_from_the_cache_and_drafts_the_same(int8_target):
     assert sum(g.stats.num_accepted for g in cached) > 0
     # a later turn skips the pairs of the positions it reused, but for the one whose next token is
     # new and those the last step of the turn before had not fed yet (its verified rows: k + 1)
-    reused, skipped = sum(g.stats.cached_prompt_tokens for g in cached), fresh_pairs - cached_pairs
-    assert reused - (len(cached) - 1) * (spec.num_speculative_tokens + 2) <= skipped < reused
-
-
-def trained_eagle3(target: HFCausalLM) -> Eagle3Drafter:
-    """An EAGLE-3 drafter fitted on the target's own greedy text, reading the raw input of layer 1."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, target.vocab_size, (4,), generator=gen).tolist() for _ in range(100)]
-    arrays = raw_arrays(target, greedy_texts(target, prompts, 32), (1,))
-    settings = TrainSettings(kind="eagle3", aux_layers=(1,), unroll=2, epochs=10, batch_tokens=256, lr=1e-2)
-    data = TokenData(arrays, "soft", (1,), raw_taps=True)
-    return train_eagle3(target, data, settings, progress=False)[0]
-
-
-def test_an_eagle3_drafter_takes_its_pairs_from_the_cache_and_drafts_the_same(int8_target):
-    """As EAGLE's: an EAGLE-3 drafter in the speculators' arithmetic (int8 Linears, C++ operations)
-    keeps its pairs in the prefix cache, and a later turn drafts, accepts and samples exactly what
-    it did when the drafter caught up on the whole conversation."""
-    drafter = trained_eagle3(int8_target)
-    spec = SpecConfig(method="eagle3", num_speculative_tokens=4, depth="fixed")
-    runs = []
-    for gb in (1.0, 0.0):
-        proposer = Eagle3Proposer(
-            copy.deepcopy(drafter), int8_target.vocab_size, nodes=6, width=2, quantize="int8"
-        )
-        if not proposer.drafter.position_invariant:
-            pytest.skip("the C++ operations did not build here")
-        fed = CountingPairs(proposer.drafter)
-        proposer.drafter.step = fed  # type: ignore[method-assign]
-        scheduler = SchedulerConfig(prefix_cache_gb=gb, prefill_chunk=48)
-        eng = SpecEngine(int8_target, proposer, spec, scheduler=scheduler)
-        runs.append((conversation(eng, 3, temperature=1.0, seed=3), fed.pairs))
-    (cached, cached_pairs), (fresh, fresh_pairs) = runs
-    for a, b in zip(cached, fresh, strict=True):
-        assert a.token_ids == b.token_ids
-        assert [e.logprob for e in a.events] == [e.logprob for e in b.events]
-        assert (a.stats.num_drafted, a.stats.num_accepted) == (b.stats.num_drafted, b.stats.num_accepted)
-    assert sum(g.stats.num_accepted for g in cached) > 0
     reused, skipped = sum(g.stats.cached_prompt_tokens for g in cached), fresh_pairs - cached_pairs
     assert reused - (len(cached) - 1) * (spec.num_speculative_tokens + 2) <= skipped < reused
 
