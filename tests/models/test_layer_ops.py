@@ -57,6 +57,21 @@ def test_rotary_is_transformers_rotation_to_the_bit_on_the_rotated_heads_only():
     assert torch.equal(got.view(rows, -1, dim)[:, heads + kv :], parts[:, heads + kv :])  # values untouched
 
 
+def test_an_element_of_silu_mul_does_not_depend_on_where_it_falls_in_a_row():
+    """Rows of 24 take a 16-wide step then an 8-wide one with AVX-512 (8 + 8 + 8 with AVX2 alone), rows
+    of 8 one 8-wide step: every element must get the same bits either way, and the scalar tail's too
+    (a row of 25)."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(6, 25, generator=g) * 6, torch.randn(6, 25, generator=g)
+    whole = ops.silu_mul(gate[:, :24], up[:, :24])  # rows of a view, as gate/up halves are
+    pieces = [ops.silu_mul(gate[:, i : i + 8], up[:, i : i + 8]) for i in (0, 8, 16)]
+    assert torch.equal(whole, torch.cat(pieces, dim=1))
+    tail = ops.silu_mul(gate, up)
+    assert torch.equal(tail[:, :24], whole)
+    want = torch.nn.functional.silu(gate[:, 24]) * up[:, 24]
+    torch.testing.assert_close(tail[:, 24], want, rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: exp's range is clamped, silu stays finite
 def test_silu_mul_is_torch_s_within_rounding(scale):
     g = torch.Generator().manual_seed(2)

@@ -161,8 +161,32 @@ __m256 exp8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// exp8's operations in 16 lanes, one for one (multiplies and adds apart, rounding to nearest), so
+// every element gets exp8's bits: the AVX-512 and AVX2 builds agree, and so do a row's 16-wide body
+// and its 8-wide tail.
+__m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(k, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(k, _mm512_set1_ps(-2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
 // silu(gate) * up for rows of gate / up [M, I] that may be views with a row stride (the two halves
-// of one fused gate/up product): silu(g) = g / (1 + exp(-g)).
+// of one fused gate/up product): silu(g) = g / (1 + exp(-g)). With AVX-512, 16 elements at a time
+// by the same operations as the 8-wide loop (every element the same bits either way): the 8-token
+// step of the 1.5B multiplies 28 x 8 x 8960 of them.
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.device().is_cpu(),
               "silu_mul: float32 CPU tensors only");
@@ -180,6 +204,14 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
       const float* u = upp + m * us;
       float* o = op + m * I;
       int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+      }
+#endif
 #if VERISPEC_VECTOR
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; i + 8 <= I; i += 8) {
