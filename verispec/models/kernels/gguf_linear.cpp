@@ -1010,7 +1010,8 @@ inline uint16_t to_half(float v, bool& exact) {
 // usual setting; "always" needs no asking, "never" refuses, and then this is plain memory). The packer
 // takes its arrays from chunks of such memory, one after another (64-byte aligned), so small layers
 // (q, k, v, o) share huge pages too. On a Zen 5 (2 cores) the 1.5B's 1-token step went 20.3-21.7 ->
-// 18.6-19.5 ms and its 8-token step 28.2-29.6 -> 27.1-28.0 (alternated in one process). Fresh
+// 18.6-19.5 ms and its 8-token step 28.2-29.6 -> 27.1-28.0, an 8B's 1-token step 79-82 -> 69-70 ms
+// (alternated in one process; no change when the machine's memory was slow). Fresh
 // anonymous memory is zero, which the packer relies on (padding, kcorr's sums). A chunk is unmapped
 // when the last array in it is freed; nothing is ever reused, so a model's arrays stay together.
 class WeightArena {

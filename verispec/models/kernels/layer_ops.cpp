@@ -185,8 +185,9 @@ __m512 exp16(__m512 x) {
 
 // silu(gate) * up for rows of gate / up [M, I] that may be views with a row stride (the two halves
 // of one fused gate/up product): silu(g) = g / (1 + exp(-g)). With AVX-512, 16 elements at a time
-// by the same operations as the 8-wide loop (every element the same bits either way): the 8-token
-// step of the 1.5B multiplies 28 x 8 x 8960 of them.
+// by the same operations as the 8-wide loop (every element the same bits either way): on a Zen 5
+// (2 threads) rows of 8960, as the 1.5B's 28 layers have, 1 row 5.8 -> 3.6 us, 8 rows 20-23 -> 12,
+// 137 rows 317-359 -> 170.
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.device().is_cpu(),
               "silu_mul: float32 CPU tensors only");
