@@ -399,7 +399,7 @@ class GGUFLinear(nn.Module):
         self.out_features, self.in_features = shape
         for name, value in parts.items():
             self.register_buffer(name, value.contiguous(), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().float(), False))
 
     def parts(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in _PARTS}
@@ -424,8 +424,12 @@ class GGUFLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.parts().values())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
+        # The arrays straight from nn.Module's dicts: its __getattr__ per buffer, five a call and 141
+        # calls a step of the 1.5B, cost 0.3-0.6 ms of a 19-23 ms decode step (Zen 5, paired runs).
+        parts, bias = self._buffers, self._parameters["bias"]
+        codes, fscales, iscales, kcorr = parts["codes"], parts["fscales"], parts["iscales"], parts["kcorr"]
         return torch.ops.verispec_gguf.gguf_linear(
-            x, self.codes, self.fscales, self.iscales, self.kcorr, self.bias, self.fmt, self.out_features
+            x, codes, fscales, iscales, kcorr, bias, self.fmt, self.out_features
         )
 
     def extra_repr(self) -> str:
