@@ -1063,8 +1063,8 @@ class WeightArena {
       if (raw == MAP_FAILED) return nullptr;
       uint8_t* start = static_cast<uint8_t*>(raw);
       uint8_t* base = start + (kHuge - reinterpret_cast<uintptr_t>(start) % kHuge) % kHuge;
-      if (base > start) munmap(start, base - start);  // keep only [base, base + length)
-      if (base + length < start + length + kHuge) munmap(base + length, start + length + kHuge - base - length);
+      if (base > start) munmap(start, base - start);  // keep only [base, base + length): base - start < kHuge
+      munmap(base + length, start + kHuge - base);
       madvise(base, length, MADV_HUGEPAGE);  // a refusal leaves ordinary pages
       return std::shared_ptr<Chunk>(new Chunk{base, length});
     }
