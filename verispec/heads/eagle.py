@@ -301,7 +301,7 @@ class EagleDrafter(nn.Module):
         ops = torch.ops.verispec_layer if self.native_ops and _native_ready(embeds) else None
         cfg = self.config
         layer = self.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         pairs = [_norm(self.embed_norm, embeds, ops), _norm(self.feature_norm, features, ops)]
         x = self.fc(torch.cat(pairs, dim=-1))
         qkv = _joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", _norm(layer.input_layernorm, x, ops))
@@ -314,12 +314,8 @@ class EagleDrafter(nn.Module):
             heads = qkv.view(qkv.shape[0], -1, cfg.head_dim)
             heads[:, :rotated] = _apply_rotary(heads[:, :rotated], cos[:, None], sin[:, None])
         rowwise = ops is not None and any(g.catch_up for g in groups) and _rowwise_ready()
-        x, h = _add_norm(
-            x, attn.o_proj(attend_groups(qkv, groups, cfg, rowwise)), layer.post_attention_layernorm, ops
-        )
-        gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
-        product = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
-        return _add_norm(x, mlp.down_proj(product), self.norm, ops)[1]
+        x, delta = attention_and_mlp(layer, x, qkv, groups, cfg, rowwise, ops)
+        return _add_norm(x, delta, self.norm, ops)[1]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[N, head_dim]`` at ``positions [N]``, from a table grown by doubling (the same
@@ -440,6 +436,27 @@ def attend_groups(qkv: torch.Tensor, groups: Sequence[DraftRows], config: Any, r
     if row != qkv.shape[0]:
         raise ValueError(f"draft rows cover {row} of {qkv.shape[0]} rows")
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def attention_and_mlp(
+    layer: nn.Module,
+    residual: torch.Tensor,
+    qkv: torch.Tensor,
+    groups: Sequence[DraftRows],
+    config: Any,
+    rowwise: bool,
+    ops: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rest of a drafter's decoder layer once its rows' ``qkv`` are rotated (EAGLE's and
+    EAGLE-3's layers alike): attention over each group's cache (:func:`attend_groups`), its output
+    projection added to ``residual`` and normed, the SiLU-gated MLP on that. Returns the residual
+    after attention and the MLP's output, for the caller's last add (and norm)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    attended = attn.o_proj(attend_groups(qkv, groups, config, rowwise))
+    x, h = _add_norm(residual, attended, layer.post_attention_layernorm, ops)
+    gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
+    product = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
+    return x, mlp.down_proj(product)
 
 
 def _native_ready(x: torch.Tensor) -> bool:

@@ -49,13 +49,12 @@ from verispec.errors import VerispecError
 from verispec.heads.eagle import (
     DraftRows,
     RMSNorm,
-    _add_norm,
     _apply_rotary,
     _joint,
     _native_ready,
     _norm,
     _rowwise_ready,
-    attend_groups,
+    attention_and_mlp,
 )
 from verispec.models.rope_freqs import llama3_divisors
 
@@ -359,7 +358,7 @@ class Eagle3Drafter(nn.Module):
             return self._torch_step(embeds, features, groups)
         cfg = self.config
         layer = self.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         normed = _norm(layer.hidden_norm, features, ops)
         residual = normed if layer.norm_before_residual else features
         x = torch.cat([_norm(layer.input_layernorm, embeds, ops), normed], dim=-1)
@@ -372,10 +371,8 @@ class Eagle3Drafter(nn.Module):
         cos, sin = (r.to(x.dtype) for r in self._rope(torch.cat([g.positions for g in groups]).to(x.device)))
         ops.rotary_(qkv, cos.contiguous(), sin.contiguous(), heads + kv)
         rowwise = any(g.catch_up for g in groups) and _rowwise_ready()
-        attended = attn.o_proj(attend_groups(qkv, groups, cfg, rowwise))
-        x, h = _add_norm(residual, attended, layer.post_attention_layernorm, ops)
-        gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
-        out = x + mlp.down_proj(ops.silu_mul(gate, up))
+        x, delta = attention_and_mlp(layer, residual, qkv, groups, cfg, rowwise, ops)
+        out = x + delta
         return _norm(self.norm, out, ops) if cfg.norm_output else out
 
     def _torch_step(
