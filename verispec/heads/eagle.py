@@ -37,11 +37,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from verispec.models import native
-from verispec.models.attention import NATIVE_SOURCE as ATTENTION_SOURCE
+from verispec.heads.draft_ops import (
+    add_norm,
+    apply_norm,
+    attention_and_mlp,
+    joint,
+    native_ready,
+    rowwise_ready,
+)
 from verispec.models.base import head_dim_of
-from verispec.models.fused import FusedLinear
-from verispec.models.lean import NATIVE_SOURCE
 
 
 @dataclass(frozen=True)
@@ -235,9 +239,9 @@ class EagleDrafter(nn.Module):
         grouped into passes: on CPU with the C++ operations and the row-wise attention, and every
         Linear quantized (verispec's int4 and int8 kernels compute each row on its own; float
         products through BLAS may sum a row differently beside other rows)."""
-        if not self.native_ops or not _native_ready(self.norm.weight):
+        if not self.native_ops or not native_ready(self.norm.weight):
             return False
-        return not any(type(module) is nn.Linear for module in self.modules()) and _rowwise_ready()
+        return not any(type(module) is nn.Linear for module in self.modules()) and rowwise_ready()
 
     def fuse(self, hidden: torch.Tensor) -> torch.Tensor:
         """A true pair's feature ``[..., H]`` from the target's hidden row ``[..., (1 + F) H]``: the
@@ -298,13 +302,15 @@ class EagleDrafter(nn.Module):
         operations in the last bits, which only moves draft probabilities (a draft has to be good,
         not exact).
         """
-        ops = torch.ops.verispec_layer if self.native_ops and _native_ready(embeds) else None
+        ops = torch.ops.verispec_layer if self.native_ops and native_ready(embeds) else None
         cfg = self.config
         layer = self.layers[0]
         attn = layer.self_attn
-        pairs = [_norm(self.embed_norm, embeds, ops), _norm(self.feature_norm, features, ops)]
+        pairs = [apply_norm(self.embed_norm, embeds, ops), apply_norm(self.feature_norm, features, ops)]
         x = self.fc(torch.cat(pairs, dim=-1))
-        qkv = _joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", _norm(layer.input_layernorm, x, ops))
+        qkv = joint(
+            attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", apply_norm(layer.input_layernorm, x, ops)
+        )
         qkv = qkv.contiguous()
         cos, sin = self._rope(torch.cat([g.positions for g in groups]).to(x.device))
         rotated = cfg.num_attention_heads + cfg.num_key_value_heads
@@ -313,9 +319,9 @@ class EagleDrafter(nn.Module):
         else:
             heads = qkv.view(qkv.shape[0], -1, cfg.head_dim)
             heads[:, :rotated] = _apply_rotary(heads[:, :rotated], cos[:, None], sin[:, None])
-        rowwise = ops is not None and any(g.catch_up for g in groups) and _rowwise_ready()
+        rowwise = ops is not None and any(g.catch_up for g in groups) and rowwise_ready()
         x, delta = attention_and_mlp(layer, x, qkv, groups, cfg, rowwise, ops)
-        return _add_norm(x, delta, self.norm, ops)[1]
+        return add_norm(x, delta, self.norm, ops)[1]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[N, head_dim]`` at ``positions [N]``, from a table grown by doubling (the same
@@ -400,98 +406,6 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def attend_groups(qkv: torch.Tensor, groups: Sequence[DraftRows], config: Any, rowwise: bool) -> torch.Tensor:
-    """Attention of each group over its cache, ``[N, heads * head_dim]``, from the rows' joint
-    ``qkv [N, (heads + 2 kv) head_dim]`` (``config``: the drafter's, with ``num_attention_heads``,
-    ``num_key_value_heads`` and ``head_dim``); each group's new keys and values are written to its
-    cache first. The query heads that share a key/value head are stacked as extra query rows of that
-    head, so one SDPA call per sequence reads the cache where it lies. With ``rowwise``, a catch-up
-    group goes through verispec's row-wise kernel instead (each position over exactly its causal
-    prefix), so its outputs do not depend on how the pairs were grouped into passes."""
-    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    shared = heads // kv
-    parts = qkv.view(qkv.shape[0], heads + 2 * kv, d)
-    outs, row = [], 0
-    for g in groups:
-        n = g.count
-        rows = parts[row : row + n]
-        row += n
-        new_keys, new_values = rows[:, heads : heads + kv], rows[:, heads + kv :]
-        g.cache.write(g.slot, new_keys.transpose(0, 1), new_values.transpose(0, 1))
-        if rowwise and g.catch_up:
-            keys, values = g.cache.buffers()
-            out = torch.ops.verispec_attention.rowwise_attention(
-                rows[:, :heads].transpose(0, 1), keys, values, g.slot, 0, None, d**-0.5
-            )  # [n, heads, d]
-            outs.append(out.reshape(n, heads * d))
-            continue
-        keys, values = g.cache.visible(g.slot + n)
-        query = rows[:, :heads].transpose(0, 1).reshape(kv, shared * n, d)
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=g.mask.to(query.device).repeat(shared, 1)
-        )
-        outs.append(out.view(heads, n, d).transpose(0, 1).reshape(n, heads * d))
-    if row != qkv.shape[0]:
-        raise ValueError(f"draft rows cover {row} of {qkv.shape[0]} rows")
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def attention_and_mlp(
-    layer: nn.Module,
-    residual: torch.Tensor,
-    qkv: torch.Tensor,
-    groups: Sequence[DraftRows],
-    config: Any,
-    rowwise: bool,
-    ops: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rest of a drafter's decoder layer once its rows' ``qkv`` are rotated (EAGLE's and
-    EAGLE-3's layers alike): attention over each group's cache (:func:`attend_groups`), its output
-    projection added to ``residual`` and normed, the SiLU-gated MLP on that. Returns the residual
-    after attention and the MLP's output, for the caller's last add (and norm)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    attended = attn.o_proj(attend_groups(qkv, groups, config, rowwise))
-    x, h = _add_norm(residual, attended, layer.post_attention_layernorm, ops)
-    gate, up = _joint(mlp, ("gate_proj", "up_proj"), "gate_up_proj", h).chunk(2, dim=-1)
-    product = ops.silu_mul(gate, up) if ops is not None else F.silu(gate) * up
-    return x, mlp.down_proj(product)
-
-
-def _native_ready(x: torch.Tensor) -> bool:
-    """Whether :meth:`EagleDrafter.step` can run the C++ layer operations (float32 on CPU, built)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        return False
-    return native.ready(NATIVE_SOURCE, "EAGLE drafting keeps torch's operations")
-
-
-def _rowwise_ready() -> bool:
-    """Whether catch-up passes can attend through verispec's row-wise kernel (built)."""
-    return native.ready(ATTENTION_SOURCE, "EAGLE catch-up passes attend with SDPA")
-
-
-def _norm(norm: RMSNorm, x: torch.Tensor, ops: Any) -> torch.Tensor:
-    return ops.rms_norm(x.contiguous(), norm.weight, norm.eps) if ops is not None else norm(x)
-
-
-def _add_norm(
-    x: torch.Tensor, delta: torch.Tensor, norm: RMSNorm, ops: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, norm(x + delta))``, one C++ call when ``ops`` are there."""
-    if ops is not None:
-        return ops.add_rms_norm(x.contiguous(), delta.contiguous(), norm.weight, norm.eps)
-    total = x + delta
-    return total, norm(total)
-
-
-def _joint(module: nn.Module, names: tuple[str, ...], fused_name: str, x: torch.Tensor) -> torch.Tensor:
-    """The outputs of ``module``'s Linears ``names`` side by side: one product where quantization
-    fused them (:mod:`verispec.models.fused`), else one call each."""
-    fused = getattr(module, fused_name, None)
-    if isinstance(fused, FusedLinear):
-        return fused.linear(x)
-    return torch.cat([getattr(module, name)(x) for name in names], dim=-1)
 
 
 def unrolled_masks(length: int, passes: int) -> list[torch.Tensor]:

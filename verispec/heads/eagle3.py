@@ -46,16 +46,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from verispec.errors import VerispecError
-from verispec.heads.eagle import (
-    DraftRows,
-    RMSNorm,
-    _apply_rotary,
-    _joint,
-    _native_ready,
-    _norm,
-    _rowwise_ready,
-    attention_and_mlp,
-)
+from verispec.heads.draft_ops import apply_norm, attention_and_mlp, joint, native_ready, rowwise_ready
+from verispec.heads.eagle import DraftRows, RMSNorm, _apply_rotary
 from verispec.models.rope_freqs import llama3_divisors
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "inverse_frequencies", "rope_tables", "ttt_masks"]
@@ -232,16 +224,16 @@ class Eagle3Drafter(nn.Module):
         attention, and every Linear quantized (verispec's int4 and int8 kernels compute each row on its
         own). Then the prefix cache keeps the pairs, and a later request that starts the same way
         feeds the drafter only its new positions."""
-        if not self.native_ops or not _native_ready(self.norm.weight):
+        if not self.native_ops or not native_ready(self.norm.weight):
             return False
-        return not any(type(module) is nn.Linear for module in self.modules()) and _rowwise_ready()
+        return not any(type(module) is nn.Linear for module in self.modules()) and rowwise_ready()
 
     def _ops(self, x: torch.Tensor) -> Any:
         """``torch.ops.verispec_layer`` where :attr:`native_ops` asks for them and they run on ``x``,
         and nothing is differentiated (they have no backward: training takes torch's)."""
         if not self.native_ops or torch.is_grad_enabled():
             return None
-        return torch.ops.verispec_layer if _native_ready(x) else None
+        return torch.ops.verispec_layer if native_ready(x) else None
 
     @property
     def uses_draft_vocab(self) -> bool:
@@ -260,10 +252,12 @@ class Eagle3Drafter(nn.Module):
         x = aux_hidden.to(self.embed_tokens.weight.dtype)  # fc may be quantized: no tensor weight
         ops = self._ops(x)
         if cfg.norm_before_fc:
-            x = _norm(self.input_norm, x, ops)
+            x = apply_norm(self.input_norm, x, ops)
         if cfg.fc_norm:
             chunks = x.chunk(cfg.num_aux, dim=-1)
-            x = torch.cat([_norm(norm, c, ops) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+            x = torch.cat(
+                [apply_norm(norm, c, ops) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1
+            )
         return self.fc(x)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -273,7 +267,7 @@ class Eagle3Drafter(nn.Module):
         """Draft logits ``[..., draft_vocab_size]`` of outputs of :meth:`step`/:meth:`forward`'s passes
         (those are what the next position takes as ``h``: pre-norm, or already normed with
         ``norm_output``, where speculators scores the same normed tensor it feeds back)."""
-        normed = features if self.config.norm_output else _norm(self.norm, features, self._ops(features))
+        normed = features if self.config.norm_output else apply_norm(self.norm, features, self._ops(features))
         return self.lm_head(normed)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -359,21 +353,21 @@ class Eagle3Drafter(nn.Module):
         cfg = self.config
         layer = self.layers[0]
         attn = layer.self_attn
-        normed = _norm(layer.hidden_norm, features, ops)
+        normed = apply_norm(layer.hidden_norm, features, ops)
         residual = normed if layer.norm_before_residual else features
-        x = torch.cat([_norm(layer.input_layernorm, embeds, ops), normed], dim=-1)
-        qkv = _joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", x).contiguous()
+        x = torch.cat([apply_norm(layer.input_layernorm, embeds, ops), normed], dim=-1)
+        qkv = joint(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", x).contiguous()
         heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if cfg.qk_norm:  # Qwen3: each query and key head normed on its own, before the rotation
             parts = qkv.view(qkv.shape[0], heads + 2 * kv, d)
             for norm, lo, hi in ((attn.q_norm, 0, heads), (attn.k_norm, heads, heads + kv)):
-                parts[:, lo:hi] = _norm(norm, parts[:, lo:hi].reshape(-1, d), ops).view(-1, hi - lo, d)
+                parts[:, lo:hi] = apply_norm(norm, parts[:, lo:hi].reshape(-1, d), ops).view(-1, hi - lo, d)
         cos, sin = (r.to(x.dtype) for r in self._rope(torch.cat([g.positions for g in groups]).to(x.device)))
         ops.rotary_(qkv, cos.contiguous(), sin.contiguous(), heads + kv)
-        rowwise = any(g.catch_up for g in groups) and _rowwise_ready()
+        rowwise = any(g.catch_up for g in groups) and rowwise_ready()
         x, delta = attention_and_mlp(layer, residual, qkv, groups, cfg, rowwise, ops)
         out = x + delta
-        return _norm(self.norm, out, ops) if cfg.norm_output else out
+        return apply_norm(self.norm, out, ops) if cfg.norm_output else out
 
     def _torch_step(
         self, embeds: torch.Tensor, features: torch.Tensor, groups: Sequence[DraftRows]
